@@ -1,0 +1,312 @@
+//! Page-aligned memory carved into slots that payloads land in.
+//!
+//! A slot reserves `align` bytes of scratch before the payload (so the
+//! aligned O_DIRECT window can start at the slot base) and, optionally, tail
+//! room up to the next `align` boundary after the payload (so the last
+//! partial block can be read with O_DIRECT too). Slots are owned handles:
+//! not `Clone`, returned to their arena on drop or with
+//! [`Arena::give_back`]. The mapping lives as long as any slot of it does.
+
+use std::ptr::NonNull;
+use std::sync::{Arc, Mutex};
+
+use rustix::mm::{MapFlags, ProtFlags};
+
+use crate::error::{Error, Result};
+use crate::window::round_up;
+
+/// The shape of every slot in an arena.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotSpec {
+    /// Largest payload a slot holds.
+    pub capacity: usize,
+    /// Scratch reserved before the payload; a power of two, at least the
+    /// O_DIRECT offset alignment of the files read into it.
+    pub align: usize,
+    /// Reserve room after the payload up to the next `align` boundary.
+    pub tail_room: bool,
+}
+
+impl SlotSpec {
+    /// Slots for payloads up to `capacity` bytes, 4096-byte scratch, no tail room.
+    pub fn new(capacity: usize) -> Self {
+        SlotSpec {
+            capacity,
+            align: 4096,
+            tail_room: false,
+        }
+    }
+
+    pub fn with_align(mut self, align: usize) -> Self {
+        self.align = align;
+        self
+    }
+
+    pub fn with_tail_room(mut self, tail_room: bool) -> Self {
+        self.tail_room = tail_room;
+        self
+    }
+
+    /// Bytes of one slot: scratch + payload (+ tail room), rounded to the page.
+    pub fn slot_len(&self) -> usize {
+        let body = if self.tail_room {
+            round_up(self.capacity, self.align)
+        } else {
+            self.capacity
+        };
+        round_up(self.align + body.max(1), page_size().max(self.align))
+    }
+
+    fn validate(&self) -> Result<()> {
+        if !self.align.is_power_of_two() || self.align < 512 {
+            return Err(Error::Config(format!(
+                "slot alignment {} must be a power of two of at least 512",
+                self.align
+            )));
+        }
+        Ok(())
+    }
+}
+
+pub(crate) fn page_size() -> usize {
+    rustix::param::page_size()
+}
+
+struct Mapping {
+    ptr: NonNull<u8>,
+    len: usize,
+    spec: SlotSpec,
+    slot_len: usize,
+    count: usize,
+    free: Mutex<Vec<usize>>,
+}
+
+// SAFETY: the mapping is plain memory owned by this struct; every byte of it
+// is reached only through a `Slot`, and each slot index is held by at most
+// one `Slot` at a time (the free list hands an index out once), so sharing
+// the mapping across threads never aliases a mutable byte.
+unsafe impl Send for Mapping {}
+// SAFETY: as above; `&Mapping` only exposes the free list (a Mutex) and
+// read-only geometry.
+unsafe impl Sync for Mapping {}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: `ptr`/`len` are exactly the mapping made in `Arena::new`,
+        // and no `Slot` exists any more (each holds an `Arc<Mapping>`), so
+        // nothing can reach the memory after this.
+        let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast(), self.len) };
+    }
+}
+
+/// A set of equally sized, page-aligned slots in one anonymous mapping.
+#[derive(Clone)]
+pub struct Arena {
+    map: Arc<Mapping>,
+}
+
+impl std::fmt::Debug for Arena {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Arena")
+            .field("spec", &self.map.spec)
+            .field("slots", &self.map.count)
+            .field("free", &self.available())
+            .finish()
+    }
+}
+
+impl Arena {
+    /// Maps `count` slots of `spec`, faulted in up front so the first read
+    /// does not pay page faults.
+    pub fn new(spec: SlotSpec, count: usize) -> Result<Self> {
+        spec.validate()?;
+        if count == 0 {
+            return Err(Error::Config("an arena needs at least one slot".into()));
+        }
+        let slot_len = spec.slot_len();
+        let len = slot_len
+            .checked_mul(count)
+            .ok_or_else(|| Error::Config(format!("{count} slots of {slot_len} bytes overflow the address space")))?;
+        // SAFETY: a fresh anonymous private mapping at an address of the
+        // kernel's choosing aliases no existing memory.
+        let ptr = unsafe {
+            rustix::mm::mmap_anonymous(
+                std::ptr::null_mut(),
+                len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::PRIVATE | MapFlags::POPULATE,
+            )
+        }
+        .map_err(|e| Error::io("<anonymous arena>", "mmap", e))?;
+        let ptr = NonNull::new(ptr.cast::<u8>()).expect("mmap never returns null on success");
+        Ok(Arena {
+            map: Arc::new(Mapping {
+                ptr,
+                len,
+                spec,
+                slot_len,
+                count,
+                free: Mutex::new((0..count).rev().collect()),
+            }),
+        })
+    }
+
+    pub fn spec(&self) -> SlotSpec {
+        self.map.spec
+    }
+
+    /// Number of slots.
+    pub fn len(&self) -> usize {
+        self.map.count
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.count == 0
+    }
+
+    /// Slots not handed out right now.
+    pub fn available(&self) -> usize {
+        self.map.free.lock().expect("arena free list").len()
+    }
+
+    /// Takes a free slot, or `None` when all are out.
+    pub fn take(&self) -> Option<Slot> {
+        let index = self.map.free.lock().expect("arena free list").pop()?;
+        Some(Slot {
+            map: Arc::clone(&self.map),
+            index,
+        })
+    }
+
+    /// Returns a slot; the same as dropping it. A slot of another arena is
+    /// returned to its own arena.
+    pub fn give_back(&self, slot: Slot) {
+        drop(slot)
+    }
+
+    /// Base address and length of the whole mapping (for buffer registration).
+    pub fn region(&self) -> (*mut u8, usize) {
+        (self.map.ptr.as_ptr(), self.map.len)
+    }
+
+    /// Bytes of one slot.
+    pub fn slot_len(&self) -> usize {
+        self.map.slot_len
+    }
+}
+
+/// One slot of an arena: exclusive access to `slot_len` bytes.
+pub struct Slot {
+    map: Arc<Mapping>,
+    index: usize,
+}
+
+impl std::fmt::Debug for Slot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Slot").field("index", &self.index).field("base", &self.base()).finish()
+    }
+}
+
+impl Slot {
+    /// Position of this slot in its arena.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    pub fn spec(&self) -> SlotSpec {
+        self.map.spec
+    }
+
+    /// Payload capacity.
+    pub fn capacity(&self) -> usize {
+        self.map.spec.capacity
+    }
+
+    /// Bytes in the slot (scratch + payload + tail room, page-rounded).
+    pub fn len(&self) -> usize {
+        self.map.slot_len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.slot_len == 0
+    }
+
+    /// Address of the slot base (where the aligned window starts).
+    pub fn base(&self) -> *const u8 {
+        self.base_mut_ptr()
+    }
+
+    pub(crate) fn base_mut_ptr(&self) -> *mut u8 {
+        // SAFETY: index < count, so the offset stays inside the mapping.
+        unsafe { self.map.ptr.as_ptr().add(self.index * self.map.slot_len) }
+    }
+
+    /// The whole slot, scratch included.
+    pub fn as_bytes(&self) -> &[u8] {
+        // SAFETY: this slot index is held only by `self` (see `Mapping`), the
+        // range is inside the live mapping, and `&self` excludes writers.
+        unsafe { std::slice::from_raw_parts(self.base(), self.map.slot_len) }
+    }
+
+    /// The whole slot, scratch included, writable.
+    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as `as_bytes`, and `&mut self` makes the access exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.base_mut_ptr(), self.map.slot_len) }
+    }
+
+    /// Identity of the arena this slot belongs to.
+    pub fn arena_id(&self) -> usize {
+        Arc::as_ptr(&self.map) as usize
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        if let Ok(mut free) = self.map.free.lock() {
+            free.push(self.index);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_are_page_aligned_distinct_and_returned() {
+        let a = Arena::new(SlotSpec::new(10_000), 3).unwrap();
+        assert_eq!(a.slot_len(), 16384);
+        let s1 = a.take().unwrap();
+        let s2 = a.take().unwrap();
+        let s3 = a.take().unwrap();
+        assert!(a.take().is_none());
+        for s in [&s1, &s2, &s3] {
+            assert_eq!(s.base() as usize % page_size(), 0);
+        }
+        assert_ne!(s1.base(), s2.base());
+        a.give_back(s2);
+        drop(s1);
+        assert_eq!(a.available(), 2);
+        drop(s3);
+        assert_eq!(a.available(), 3);
+    }
+
+    #[test]
+    fn tail_room_and_align_sizes() {
+        assert_eq!(SlotSpec::new(4096).slot_len(), 8192);
+        assert_eq!(SlotSpec::new(4097).slot_len(), 12288);
+        assert_eq!(SlotSpec::new(4097).with_tail_room(true).slot_len(), 12288);
+        assert_eq!(SlotSpec::new(8192).with_tail_room(true).slot_len(), 12288);
+        assert!(Arena::new(SlotSpec::new(1).with_align(1000), 1).is_err());
+        assert!(Arena::new(SlotSpec::new(1), 0).is_err());
+    }
+
+    #[test]
+    fn mapping_outlives_the_arena_handle() {
+        let a = Arena::new(SlotSpec::new(100), 1).unwrap();
+        let mut s = a.take().unwrap();
+        drop(a);
+        s.as_bytes_mut()[0] = 7;
+        assert_eq!(s.as_bytes()[0], 7);
+    }
+}

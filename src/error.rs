@@ -1,0 +1,99 @@
+//! The crate's one error type. Every message names the file (or entry), the
+//! operation and the cause, so a user can act on it without a debugger.
+
+use std::path::PathBuf;
+
+/// Result alias for this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Why a shard header was refused.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum HeaderError {
+    #[error("file is {size} bytes, too small to hold the 8-byte header length")]
+    TooSmallForLength { size: u64 },
+    #[error("header length is 0")]
+    LengthZero,
+    #[error("header length {len} exceeds the {max}-byte limit")]
+    LengthTooLarge { len: u64, max: u64 },
+    #[error("header length {len} runs past end of file ({size} bytes)")]
+    LengthPastEof { len: u64, size: u64 },
+    #[error("header does not start with '{{' (first byte 0x{first:02x})")]
+    NotAnObject { first: u8 },
+    #[error("header is not valid UTF-8: {0}")]
+    Utf8(String),
+    #[error("header is not a valid safetensors table: {0}")]
+    Invalid(String),
+    #[error("8 + header ({header_len}) + data ({data_len}) = {expected} bytes, but the file is {size} bytes")]
+    SizeMismatch {
+        header_len: u64,
+        data_len: u64,
+        expected: u64,
+        size: u64,
+    },
+}
+
+/// The crate's error type.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A system call on a file failed.
+    #[error("{}: {op}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        op: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A shard's header was refused; nothing was read from its data.
+    #[error("{}: refused safetensors header: {cause}", path.display())]
+    Header { path: PathBuf, cause: HeaderError },
+    /// A model directory or index is inconsistent.
+    #[error("{}: {cause}", path.display())]
+    Catalog { path: PathBuf, cause: String },
+    /// A requested range is not inside the file: untrusted container.
+    #[error("{}: range [{start}, {end}) is outside the file ({size} bytes): untrusted container", path.display())]
+    OutOfRange {
+        path: PathBuf,
+        start: u64,
+        end: u64,
+        size: u64,
+    },
+    /// The file ended before a read inside its validated size completed.
+    #[error("{}: {op}: end of file at byte {at} while reading [{start}, {end}); was the file truncated after it was opened?", path.display())]
+    UnexpectedEof {
+        path: PathBuf,
+        op: &'static str,
+        start: u64,
+        end: u64,
+        at: u64,
+    },
+    /// The slot handed to a read cannot hold the tensor.
+    #[error("tensor {tensor}: slot too small ({need} payload bytes, slot capacity {capacity})")]
+    SlotTooSmall {
+        tensor: String,
+        need: usize,
+        capacity: usize,
+    },
+    /// No tensor of that name in the model.
+    #[error("no tensor named {0:?} in the model")]
+    NoSuchTensor(String),
+    /// A configuration value was refused.
+    #[error("{0}")]
+    Config(String),
+}
+
+impl Error {
+    pub(crate) fn io(path: impl Into<PathBuf>, op: &'static str, source: impl Into<std::io::Error>) -> Self {
+        Error::Io {
+            path: path.into(),
+            op,
+            source: source.into(),
+        }
+    }
+
+    pub(crate) fn catalog(path: impl Into<PathBuf>, cause: impl Into<String>) -> Self {
+        Error::Catalog {
+            path: path.into(),
+            cause: cause.into(),
+        }
+    }
+}

@@ -1,0 +1,38 @@
+//! weightstream: stream model weights from `.safetensors` shards on NVMe
+//! straight into the memory slots an engine computes from.
+//!
+//! The data flow, and the modules that own each step:
+//!
+//! ```text
+//! model dir -> container (one shard's header, validated)
+//!           -> catalog   (tensor name -> shard, file range)
+//!           -> model     (open files: O_DIRECT + buffered, drives, stats)
+//!           -> window    (pure alignment / EOF-clamp arithmetic)
+//!           -> direct    (the in-place range read with counted fallbacks)
+//!           -> arena     (page-aligned slots the payload lands in)
+//! ```
+//!
+//! See `docs/architecture.md` for the contracts each module keeps.
+
+#[cfg(not(target_os = "linux"))]
+compile_error!(
+    "weightstream is Linux-only: it needs O_DIRECT, statx(STATX_DIOALIGN) and io_uring"
+);
+
+pub mod arena;
+pub mod catalog;
+pub mod container;
+pub mod direct;
+pub mod error;
+pub mod model;
+pub mod stats;
+pub mod synth;
+pub mod topology;
+pub mod window;
+
+pub use arena::{Arena, Slot, SlotSpec};
+pub use catalog::{Catalog, TensorRef};
+pub use direct::{DirectMode, Loaded};
+pub use error::{Error, Result};
+pub use model::{Model, ModelConfig};
+pub use stats::{FallbackCause, Stats};

@@ -1,0 +1,144 @@
+//! Counters per drive, read lock-free on the hot path, and the rule that no
+//! fallback is silent: each is counted by cause and logged once per drive and
+//! cause, naming the drive and the file.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+
+use serde::Serialize;
+
+/// Why a read (or part of one) went buffered instead of O_DIRECT.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FallbackCause {
+    /// The filesystem refused `open(O_DIRECT)` (or statx says no direct I/O).
+    DirectOpenRefused,
+    /// The slot's base address does not meet the file's memory alignment.
+    SlotMisaligned,
+    /// The slot reserves less alignment than the file's offsets need.
+    SlotAlignTooSmall,
+    /// The payload holds no whole aligned block: nothing to read direct.
+    NoBulk,
+    /// The device answered EINVAL to an O_DIRECT read at run time.
+    DeviceEinval,
+    /// An O_DIRECT read came back short; the range was re-read buffered.
+    ShortDirect,
+    /// An O_DIRECT read failed with another errno; re-read buffered.
+    DirectError,
+}
+
+impl FallbackCause {
+    pub const ALL: [FallbackCause; 7] = [
+        FallbackCause::DirectOpenRefused,
+        FallbackCause::SlotMisaligned,
+        FallbackCause::SlotAlignTooSmall,
+        FallbackCause::NoBulk,
+        FallbackCause::DeviceEinval,
+        FallbackCause::ShortDirect,
+        FallbackCause::DirectError,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            FallbackCause::DirectOpenRefused => "direct_open_refused",
+            FallbackCause::SlotMisaligned => "slot_misaligned",
+            FallbackCause::SlotAlignTooSmall => "slot_align_too_small",
+            FallbackCause::NoBulk => "no_bulk",
+            FallbackCause::DeviceEinval => "device_einval",
+            FallbackCause::ShortDirect => "short_direct",
+            FallbackCause::DirectError => "direct_error",
+        }
+    }
+
+    /// `NoBulk` is the expected path for sub-block tensors: counted, but not
+    /// worth a warning.
+    fn is_warning(self) -> bool {
+        !matches!(self, FallbackCause::NoBulk)
+    }
+}
+
+const N_CAUSES: usize = FallbackCause::ALL.len();
+
+/// Live counters of one drive.
+#[derive(Debug, Default)]
+pub struct DriveCounters {
+    pub bytes: AtomicU64,
+    pub bytes_direct: AtomicU64,
+    pub bytes_buffered: AtomicU64,
+    pub reads_direct: AtomicU64,
+    pub reads_buffered: AtomicU64,
+    fallbacks: [AtomicU64; N_CAUSES],
+    logged: [AtomicBool; N_CAUSES],
+}
+
+impl DriveCounters {
+    /// Counts a fallback and logs it the first time this drive sees `cause`.
+    pub fn fallback(&self, drive: &str, file: &Path, cause: FallbackCause, detail: &dyn std::fmt::Display) {
+        let i = cause as usize;
+        self.fallbacks[i].fetch_add(1, Relaxed);
+        if !self.logged[i].swap(true, Relaxed) {
+            if cause.is_warning() {
+                tracing::warn!(drive, file = %file.display(), cause = cause.name(), "falling back to buffered reads: {detail} (logged once per drive and cause; counted in stats)");
+            } else {
+                tracing::info!(drive, file = %file.display(), cause = cause.name(), "buffered read: {detail} (logged once per drive and cause; counted in stats)");
+            }
+        }
+    }
+
+    pub fn fallback_count(&self, cause: FallbackCause) -> u64 {
+        self.fallbacks[cause as usize].load(Relaxed)
+    }
+
+    pub fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Relaxed);
+    }
+}
+
+/// A snapshot of one drive's counters.
+#[derive(Debug, Clone, Serialize)]
+pub struct DriveStats {
+    pub device: String,
+    pub mount: PathBuf,
+    pub fs_type: String,
+    pub dio_align: u32,
+    pub direct_open: bool,
+    pub bytes: u64,
+    pub bytes_direct: u64,
+    pub bytes_buffered: u64,
+    pub reads_direct: u64,
+    pub reads_buffered: u64,
+    pub fallbacks: BTreeMap<&'static str, u64>,
+}
+
+/// A snapshot of a model's counters.
+#[derive(Debug, Clone, Serialize)]
+pub struct Stats {
+    pub backend: &'static str,
+    pub bytes: u64,
+    pub drives: Vec<DriveStats>,
+}
+
+impl Stats {
+    pub fn fallbacks_total(&self) -> u64 {
+        self.drives.iter().flat_map(|d| d.fallbacks.values()).sum()
+    }
+
+    pub fn reads_direct(&self) -> u64 {
+        self.drives.iter().map(|d| d.reads_direct).sum()
+    }
+
+    pub fn reads_buffered(&self) -> u64 {
+        self.drives.iter().map(|d| d.reads_buffered).sum()
+    }
+}
+
+pub(crate) fn snapshot_fallbacks(c: &DriveCounters) -> BTreeMap<&'static str, u64> {
+    FallbackCause::ALL
+        .iter()
+        .filter_map(|&k| {
+            let n = c.fallback_count(k);
+            (n > 0).then_some((k.name(), n))
+        })
+        .collect()
+}
