@@ -74,7 +74,7 @@ pub(crate) fn page_size() -> usize {
 
 struct Mapping {
     ptr: NonNull<u8>,
-    len: usize,
+    map_len: usize,
     spec: SlotSpec,
     slot_len: usize,
     count: usize,
@@ -92,10 +92,10 @@ unsafe impl Sync for Mapping {}
 
 impl Drop for Mapping {
     fn drop(&mut self) {
-        // SAFETY: `ptr`/`len` are exactly the mapping made in `Arena::new`,
+        // SAFETY: `ptr`/`map_len` are exactly the mapping made in `Arena::new`,
         // and no `Slot` exists any more (each holds an `Arc<Mapping>`), so
         // nothing can reach the memory after this.
-        let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast(), self.len) };
+        let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast(), self.map_len) };
     }
 }
 
@@ -142,7 +142,7 @@ impl Arena {
         Ok(Arena {
             map: Arc::new(Mapping {
                 ptr,
-                len,
+                map_len: len,
                 spec,
                 slot_len,
                 count,
@@ -186,7 +186,7 @@ impl Arena {
 
     /// Base address and length of the whole mapping (for buffer registration).
     pub fn region(&self) -> (*mut u8, usize) {
-        (self.map.ptr.as_ptr(), self.map.len)
+        (self.map.ptr.as_ptr(), self.map.map_len)
     }
 
     /// Bytes of one slot.
@@ -203,7 +203,10 @@ pub struct Slot {
 
 impl std::fmt::Debug for Slot {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Slot").field("index", &self.index).field("base", &self.base()).finish()
+        f.debug_struct("Slot")
+            .field("index", &self.index)
+            .field("base", &self.base())
+            .finish()
     }
 }
 

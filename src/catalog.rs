@@ -91,7 +91,10 @@ pub fn list_shards(dir: &Path) -> Result<Vec<(String, PathBuf)>> {
         } else {
             path
         };
-        if !std::fs::metadata(&path).map_err(|e| Error::io(&path, "stat", e))?.is_file() {
+        if !std::fs::metadata(&path)
+            .map_err(|e| Error::io(&path, "stat", e))?
+            .is_file()
+        {
             continue;
         }
         out.push((name, path));
@@ -149,10 +152,7 @@ impl Catalog {
             }
         }
         if let Some(map) = &index {
-            let mut missing: Vec<&String> = map
-                .values()
-                .filter(|f| !shards.iter().any(|s| &&s.name == f))
-                .collect();
+            let mut missing: Vec<&String> = map.values().filter(|f| !shards.iter().any(|s| &&s.name == f)).collect();
             missing.sort();
             missing.dedup();
             if !missing.is_empty() {
@@ -204,7 +204,11 @@ impl Catalog {
 
     /// The largest payload among tensors whose name contains `filter`.
     pub fn largest(&self, filter: &str) -> Option<u64> {
-        self.tensors.iter().filter(|t| t.name.contains(filter)).map(|t| t.len).max()
+        self.tensors
+            .iter()
+            .filter(|t| t.name.contains(filter))
+            .map(|t| t.len)
+            .max()
     }
 }
 

@@ -62,10 +62,7 @@ pub struct ShardHeader {
 impl ShardHeader {
     /// Reads and validates the header of an open shard.
     pub fn read(path: &Path, file: &File) -> Result<Self> {
-        let size = file
-            .metadata()
-            .map_err(|e| Error::io(path, "fstat", e))?
-            .len();
+        let size = file.metadata().map_err(|e| Error::io(path, "fstat", e))?.len();
         let header_err = |cause| Error::Header {
             path: path.to_path_buf(),
             cause,
@@ -111,11 +108,16 @@ fn check_length(n: u64, size: u64) -> Result<u64, HeaderError> {
 
 fn parse_raw(raw: Vec<u8>, size: u64) -> Result<ShardHeader, HeaderError> {
     if raw.len() < 8 || size < 8 {
-        return Err(HeaderError::TooSmallForLength { size: size.min(raw.len() as u64) });
+        return Err(HeaderError::TooSmallForLength {
+            size: size.min(raw.len() as u64),
+        });
     }
     let n = check_length(u64::from_le_bytes(raw[..8].try_into().expect("8 bytes")), size)?;
     if raw.len() as u64 != 8 + n {
-        return Err(HeaderError::LengthPastEof { len: n, size: raw.len() as u64 });
+        return Err(HeaderError::LengthPastEof {
+            len: n,
+            size: raw.len() as u64,
+        });
     }
     let body = &raw[8..];
     if body[0] != b'{' {
@@ -124,7 +126,7 @@ fn parse_raw(raw: Vec<u8>, size: u64) -> Result<ShardHeader, HeaderError> {
     let text = std::str::from_utf8(body).map_err(|e| HeaderError::Utf8(e.to_string()))?;
     let meta: Metadata = serde_json::from_str(text).map_err(|e| HeaderError::Invalid(e.to_string()))?;
     let data_len = meta.data_len() as u64;
-    let expected = (8 + n).checked_add(data_len).unwrap_or(u64::MAX);
+    let expected = (8 + n).saturating_add(data_len);
     if expected != size {
         return Err(HeaderError::SizeMismatch {
             header_len: n,
@@ -209,7 +211,10 @@ mod tests {
         let ok = r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#;
         assert!(matches!(parse(ok, 3), Err(HeaderError::SizeMismatch { .. })));
         assert!(matches!(parse(ok, 5), Err(HeaderError::SizeMismatch { .. })));
-        assert!(matches!(parse(&format!(" {ok}"), 4), Err(HeaderError::NotAnObject { first: b' ' })));
+        assert!(matches!(
+            parse(&format!(" {ok}"), 4),
+            Err(HeaderError::NotAnObject { first: b' ' })
+        ));
         let unknown = r#"{"a":{"dtype":"Q9","shape":[4],"data_offsets":[0,4]}}"#;
         assert!(matches!(parse(unknown, 4), Err(HeaderError::Invalid(_))));
         let overlap = r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"b":{"dtype":"U8","shape":[4],"data_offsets":[2,6]}}"#;
@@ -227,9 +232,18 @@ mod tests {
     #[test]
     fn length_bounds() {
         assert_eq!(check_length(0, 100), Err(HeaderError::LengthZero));
-        assert_eq!(check_length(93, 100), Err(HeaderError::LengthPastEof { len: 93, size: 100 }));
+        assert_eq!(
+            check_length(93, 100),
+            Err(HeaderError::LengthPastEof { len: 93, size: 100 })
+        );
         assert_eq!(check_length(92, 100), Ok(92));
-        assert!(matches!(check_length(MAX_HEADER_LEN + 1, u64::MAX), Err(HeaderError::LengthTooLarge { .. })));
-        assert!(matches!(parse_raw(vec![1, 2, 3], 3), Err(HeaderError::TooSmallForLength { .. })));
+        assert!(matches!(
+            check_length(MAX_HEADER_LEN + 1, u64::MAX),
+            Err(HeaderError::LengthTooLarge { .. })
+        ));
+        assert!(matches!(
+            parse_raw(vec![1, 2, 3], 3),
+            Err(HeaderError::TooSmallForLength { .. })
+        ));
     }
 }

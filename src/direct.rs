@@ -42,7 +42,9 @@ impl FromStr for DirectMode {
             "auto" => Ok(DirectMode::Auto),
             "on" | "1" | "true" => Ok(DirectMode::On),
             "off" | "0" | "false" => Ok(DirectMode::Off),
-            other => Err(Error::Config(format!("direct mode {other:?}: expected auto, on or off"))),
+            other => Err(Error::Config(format!(
+                "direct mode {other:?}: expected auto, on or off"
+            ))),
         }
     }
 }
@@ -85,7 +87,10 @@ impl std::ops::Deref for Loaded {
 
 impl std::fmt::Debug for Loaded {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Loaded").field("pad", &self.pad).field("len", &self.len).finish()
+        f.debug_struct("Loaded")
+            .field("pad", &self.pad)
+            .field("len", &self.len)
+            .finish()
     }
 }
 
@@ -132,7 +137,10 @@ pub(crate) fn direct_refusal(file: &ShardFile, w: &Window, slot: &Slot) -> Optio
         ));
     }
     if w.direct == 0 {
-        return Some((FallbackCause::NoBulk, format!("payload of {} bytes holds no whole {have}-byte block", w.len)));
+        return Some((
+            FallbackCause::NoBulk,
+            format!("payload of {} bytes holds no whole {have}-byte block", w.len),
+        ));
     }
     None
 }

@@ -15,9 +15,7 @@
 //! See `docs/architecture.md` for the contracts each module keeps.
 
 #[cfg(not(target_os = "linux"))]
-compile_error!(
-    "weightstream is Linux-only: it needs O_DIRECT, statx(STATX_DIOALIGN) and io_uring"
-);
+compile_error!("weightstream is Linux-only: it needs O_DIRECT, statx(STATX_DIOALIGN) and io_uring");
 
 pub mod arena;
 pub mod catalog;

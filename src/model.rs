@@ -95,7 +95,10 @@ impl Model {
             let (direct, direct_refused) = if config.direct == DirectMode::Off {
                 (None, Some("direct I/O turned off".to_string()))
             } else if topo.statx_says_no_direct {
-                (None, Some(format!("statx reports no direct I/O support on {}", topo.fs_type)))
+                (
+                    None,
+                    Some(format!("statx reports no direct I/O support on {}", topo.fs_type)),
+                )
             } else {
                 match open_direct(&path) {
                     Ok(f) => (Some(f), None),
@@ -127,7 +130,8 @@ impl Model {
             d.direct_open &= direct.is_some();
             if config.direct != DirectMode::Off {
                 if let Some(why) = &direct_refused {
-                    d.counters.fallback(&d.device, &path, FallbackCause::DirectOpenRefused, why);
+                    d.counters
+                        .fallback(&d.device, &path, FallbackCause::DirectOpenRefused, why);
                 }
             }
             files.push(ShardFile {

@@ -97,7 +97,11 @@ impl SynthSpec {
                 shard: s,
             });
             for e in 0..self.experts {
-                for (p, shape) in [("gate_proj", [inter, h]), ("up_proj", [inter, h]), ("down_proj", [h, inter])] {
+                for (p, shape) in [
+                    ("gate_proj", [inter, h]),
+                    ("up_proj", [inter, h]),
+                    ("down_proj", [h, inter]),
+                ] {
                     out.push(SynthTensor {
                         name: format!("model.layers.{l}.mlp.experts.{e}.{p}.weight"),
                         shape: shape.to_vec(),
@@ -162,7 +166,14 @@ pub fn write_model(dir: &Path, spec: &SynthSpec) -> Result<Vec<PathBuf>> {
         // A different metadata length per shard: header lengths vary.
         let meta = HashMap::from([
             ("format".to_string(), "pt".to_string()),
-            ("generator".to_string(), format!("weightstream synth seed={} {}", spec.seed, "~".repeat((s * 37 + 5) % 61))),
+            (
+                "generator".to_string(),
+                format!(
+                    "weightstream synth seed={} {}",
+                    spec.seed,
+                    "~".repeat((s * 37 + 5) % 61)
+                ),
+            ),
         ]);
         safetensors::serialize_to_file(mine, Some(meta), &path)
             .map_err(|e| Error::io(&path, "write synthetic shard", std::io::Error::other(e.to_string())))?;
@@ -173,7 +184,8 @@ pub fn write_model(dir: &Path, spec: &SynthSpec) -> Result<Vec<PathBuf>> {
         "weight_map": weight_map,
     });
     let ipath = dir.join(crate::catalog::INDEX_FILE);
-    std::fs::write(&ipath, serde_json::to_vec_pretty(&index).expect("json")).map_err(|e| Error::io(&ipath, "write index", e))?;
+    std::fs::write(&ipath, serde_json::to_vec_pretty(&index).expect("json"))
+        .map_err(|e| Error::io(&ipath, "write index", e))?;
     let cpath = dir.join("config.json");
     let config = serde_json::json!({
         "model_type": "weightstream-synthetic",
@@ -181,13 +193,16 @@ pub fn write_model(dir: &Path, spec: &SynthSpec) -> Result<Vec<PathBuf>> {
         "num_local_experts": spec.experts,
         "hidden_size": spec.hidden,
     });
-    std::fs::write(&cpath, serde_json::to_vec_pretty(&config).expect("json")).map_err(|e| Error::io(&cpath, "write config", e))?;
+    std::fs::write(&cpath, serde_json::to_vec_pretty(&config).expect("json"))
+        .map_err(|e| Error::io(&cpath, "write config", e))?;
     Ok(paths)
 }
 
 fn name_hash(name: &str) -> u64 {
     // FNV-1a: stable across runs and platforms.
-    name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
+    name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    })
 }
 
 fn mix(mut z: u64) -> u64 {

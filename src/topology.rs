@@ -72,7 +72,8 @@ pub fn probe(path: &Path, file: &File) -> std::io::Result<FileTopology> {
             source = AlignSource::BlockDevice;
         }
     }
-    let (mount, fs_type, source_name) = mount_of(path, major, minor).unwrap_or_else(|| (PathBuf::from("?"), "?".into(), "?".into()));
+    let (mount, fs_type, source_name) =
+        mount_of(path, major, minor).unwrap_or_else(|| (PathBuf::from("?"), "?".into(), "?".into()));
     let device = std::fs::read_link(&sys_dev)
         .ok()
         .and_then(|p| p.file_name().map(|s| s.to_string_lossy().into_owned()))
@@ -117,7 +118,9 @@ fn mount_of(path: &Path, major: u32, minor: u32) -> Option<(PathBuf, String, Str
     let want = format!("{major}:{minor}");
     let mut best: Option<(PathBuf, String, String, bool)> = None;
     for line in info.lines() {
-        let Some((left, right)) = line.split_once(" - ") else { continue };
+        let Some((left, right)) = line.split_once(" - ") else {
+            continue;
+        };
         let l: Vec<&str> = left.split(' ').collect();
         let r: Vec<&str> = right.split(' ').collect();
         if l.len() < 5 || r.len() < 2 {
@@ -130,7 +133,9 @@ fn mount_of(path: &Path, major: u32, minor: u32) -> Option<(PathBuf, String, Str
         let dev_match = l[2] == want;
         let better = match &best {
             None => true,
-            Some((m, _, _, bm)) => (dev_match && !bm) || (dev_match == *bm && mount.as_os_str().len() >= m.as_os_str().len()),
+            Some((m, _, _, bm)) => {
+                (dev_match && !bm) || (dev_match == *bm && mount.as_os_str().len() >= m.as_os_str().len())
+            }
         };
         if better {
             best = Some((mount, r[0].to_string(), r[1].to_string(), dev_match));

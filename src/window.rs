@@ -53,11 +53,14 @@ impl Window {
         if align == 0 || !align.is_power_of_two() {
             return Err(WindowError::BadAlign(align));
         }
-        let end = off.checked_add(len).filter(|&e| e <= size).ok_or(WindowError::OutOfFile {
-            start: off,
-            end: off.saturating_add(len),
-            size,
-        })?;
+        let end = off
+            .checked_add(len)
+            .filter(|&e| e <= size)
+            .ok_or(WindowError::OutOfFile {
+                start: off,
+                end: off.saturating_add(len),
+                size,
+            })?;
         let mask = align - 1;
         let pad = off & mask;
         let start = off - pad;
@@ -142,7 +145,11 @@ mod tests {
         ];
         for ((o, n), (start, direct, tail)) in cases {
             let w = field(o, n);
-            assert_eq!((w.start, w.direct, w.tail), (start, direct as usize, tail as usize), "case ({o}, {n})");
+            assert_eq!(
+                (w.start, w.direct, w.tail),
+                (start, direct as usize, tail as usize),
+                "case ({o}, {n})"
+            );
             assert_eq!(w.start + w.pad as u64, DATA + o);
         }
     }
@@ -161,7 +168,11 @@ mod tests {
     fn out_of_file_and_bad_align() {
         assert_eq!(
             Window::plan(SIZE, 1, SIZE, 4096, false),
-            Err(WindowError::OutOfFile { start: SIZE, end: SIZE + 1, size: SIZE })
+            Err(WindowError::OutOfFile {
+                start: SIZE,
+                end: SIZE + 1,
+                size: SIZE
+            })
         );
         assert!(Window::plan(u64::MAX, 2, SIZE, 4096, false).is_err());
         assert_eq!(Window::plan(0, 1, SIZE, 3000, false), Err(WindowError::BadAlign(3000)));
@@ -177,6 +188,9 @@ mod tests {
     #[test]
     fn buffered_fallback_reads_exactly_the_payload() {
         let w = field(1000, 10000).buffered();
-        assert_eq!((w.direct, w.tail, w.tail_file_offset(), w.tail_slot_offset()), (0, 10000, 1071, 1071));
+        assert_eq!(
+            (w.direct, w.tail, w.tail_file_offset(), w.tail_slot_offset()),
+            (0, 10000, 1071, 1071)
+        );
     }
 }

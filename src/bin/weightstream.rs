@@ -12,7 +12,11 @@ use weightstream::synth::{self, SynthSpec};
 use weightstream::{Arena, DirectMode, Model, ModelConfig};
 
 #[derive(Parser)]
-#[command(name = "weightstream", version, about = "Stream model weights from NVMe into engine memory")]
+#[command(
+    name = "weightstream",
+    version,
+    about = "Stream model weights from NVMe into engine memory"
+)]
 struct Cli {
     /// More logging (-v info, -vv debug); WEIGHTSTREAM_LOG overrides.
     #[arg(short, long, action = clap::ArgAction::Count, global = true)]
@@ -59,7 +63,9 @@ fn parse_bytes(s: &str) -> Result<u64, String> {
     let s = s.trim();
     let split = s.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
-    let num: f64 = num.parse().map_err(|_| format!("{s:?}: expected a size such as 4GiB, 300MB or 1048576"))?;
+    let num: f64 = num
+        .parse()
+        .map_err(|_| format!("{s:?}: expected a size such as 4GiB, 300MB or 1048576"))?;
     let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "k" | "kb" => 1_000,
@@ -82,8 +88,13 @@ fn main() -> ExitCode {
         1 => "info",
         _ => "debug",
     };
-    let filter = tracing_subscriber::EnvFilter::try_from_env("WEIGHTSTREAM_LOG").unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).init();
+    let filter = tracing_subscriber::EnvFilter::try_from_env("WEIGHTSTREAM_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .init();
     let r = match cli.cmd {
         Cmd::Inspect { model_dir, json } => inspect(model_dir, json),
         Cmd::Digest {
@@ -149,7 +160,14 @@ fn inspect(dir: PathBuf, json: bool) -> CliResult {
         return Ok(());
     }
     let mut out = std::io::stdout().lock();
-    writeln!(out, "model {}: {} shard(s), {} tensor(s), {} bytes", cat.dir().display(), cat.shards().len(), cat.tensors().len(), cat.total_bytes())?;
+    writeln!(
+        out,
+        "model {}: {} shard(s), {} tensor(s), {} bytes",
+        cat.dir().display(),
+        cat.shards().len(),
+        cat.tensors().len(),
+        cat.total_bytes()
+    )?;
     for (f, s) in model.files().iter().zip(cat.shards()) {
         writeln!(
             out,
@@ -177,7 +195,15 @@ fn inspect(dir: PathBuf, json: bool) -> CliResult {
         )?;
     }
     for d in model.drives() {
-        writeln!(out, "drive {} ({}, {}): dio align {}, O_DIRECT on every shard: {}", d.device, d.fs_type, d.mount.display(), d.dio_align, d.direct_open)?;
+        writeln!(
+            out,
+            "drive {} ({}, {}): dio align {}, O_DIRECT on every shard: {}",
+            d.device,
+            d.fs_type,
+            d.mount.display(),
+            d.dio_align,
+            d.direct_open
+        )?;
     }
     Ok(())
 }
@@ -208,7 +234,10 @@ fn digest(dir: PathBuf, names: Vec<String>, direct: DirectMode, json: bool) -> C
     let stats = model.stats();
     if json {
         let map: serde_json::Map<String, serde_json::Value> = sums.into_iter().map(|(n, h)| (n, h.into())).collect();
-        println!("{}", serde_json::to_string_pretty(&serde_json::json!({"tensors": map, "stats": stats}))?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({"tensors": map, "stats": stats}))?
+        );
     } else {
         let mut out = std::io::stdout().lock();
         for (n, h) in sums {
@@ -226,7 +255,9 @@ fn demo(dir: Option<PathBuf>, size: u64, keep: bool) -> CliResult {
     let (tmp, dir) = match dir {
         Some(d) => (None, d),
         None => {
-            let t = tempfile::Builder::new().prefix("weightstream-demo-").tempdir_in(std::env::temp_dir())?;
+            let t = tempfile::Builder::new()
+                .prefix("weightstream-demo-")
+                .tempdir_in(std::env::temp_dir())?;
             let d = t.path().to_path_buf();
             (Some(t), d)
         }
@@ -244,7 +275,12 @@ fn demo(dir: Option<PathBuf>, size: u64, keep: bool) -> CliResult {
         t0.elapsed().as_secs_f64()
     );
     let model = Model::open(ModelConfig::new(&dir))?;
-    let experts: Vec<_> = model.catalog().tensors().iter().filter(|t| t.name.contains(".experts.")).collect();
+    let experts: Vec<_> = model
+        .catalog()
+        .tensors()
+        .iter()
+        .filter(|t| t.name.contains(".experts."))
+        .collect();
     let arena = Arena::new(model.slot_spec_for_largest(".experts."), 1)?;
     let (mut bytes, mut read_s, mut bad) = (0u64, 0f64, 0usize);
     for t in &experts {
@@ -265,7 +301,11 @@ fn demo(dir: Option<PathBuf>, size: u64, keep: bool) -> CliResult {
         bytes as f64 / 1e9 * 1e3,
         read_s,
         bytes as f64 / 1e9 / read_s.max(1e-9),
-        if bad == 0 { "ok".to_string() } else { format!("{bad} MISMATCHED") }
+        if bad == 0 {
+            "ok".to_string()
+        } else {
+            format!("{bad} MISMATCHED")
+        }
     );
     for d in &st.drives {
         println!(
