@@ -68,11 +68,16 @@ impl SlotSpec {
     }
 }
 
+static NEXT_ARENA_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
 pub(crate) fn page_size() -> usize {
     rustix::param::page_size()
 }
 
 struct Mapping {
+    /// Unique for the process lifetime: registrations are keyed by it, never
+    /// by address (a new arena may be mapped where a dropped one was).
+    id: u64,
     ptr: NonNull<u8>,
     map_len: usize,
     spec: SlotSpec,
@@ -124,9 +129,11 @@ impl Arena {
             return Err(Error::Config("an arena needs at least one slot".into()));
         }
         let slot_len = spec.slot_len();
-        let len = slot_len
-            .checked_mul(count)
-            .ok_or_else(|| Error::Config(format!("{count} slots of {slot_len} bytes overflow the address space")))?;
+        let len = slot_len.checked_mul(count).ok_or_else(|| {
+            Error::Config(format!(
+                "{count} slots of {slot_len} bytes overflow the address space"
+            ))
+        })?;
         // SAFETY: a fresh anonymous private mapping at an address of the
         // kernel's choosing aliases no existing memory.
         let ptr = unsafe {
@@ -141,6 +148,7 @@ impl Arena {
         let ptr = NonNull::new(ptr.cast::<u8>()).expect("mmap never returns null on success");
         Ok(Arena {
             map: Arc::new(Mapping {
+                id: NEXT_ARENA_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
                 ptr,
                 map_len: len,
                 spec,
@@ -153,6 +161,11 @@ impl Arena {
 
     pub fn spec(&self) -> SlotSpec {
         self.map.spec
+    }
+
+    /// Identity of this arena (unique in the process).
+    pub fn id(&self) -> u64 {
+        self.map.id
     }
 
     /// Number of slots.
@@ -257,9 +270,9 @@ impl Slot {
         unsafe { std::slice::from_raw_parts_mut(self.base_mut_ptr(), self.map.slot_len) }
     }
 
-    /// Identity of the arena this slot belongs to.
-    pub fn arena_id(&self) -> usize {
-        Arc::as_ptr(&self.map) as usize
+    /// Identity of the arena this slot belongs to (unique in the process).
+    pub fn arena_id(&self) -> u64 {
+        self.map.id
     }
 }
 

@@ -140,8 +140,11 @@ impl Catalog {
                                         first.path.display(),
                                         shard.path.display(),
                                         match chosen {
-                                            Some(f) => format!(" but {INDEX_FILE} maps it to {f:?}"),
-                                            None => format!(" and {INDEX_FILE} does not say which to use"),
+                                            Some(f) =>
+                                                format!(" but {INDEX_FILE} maps it to {f:?}"),
+                                            None => format!(
+                                                " and {INDEX_FILE} does not say which to use"
+                                            ),
                                         }
                                     ),
                                 ))
@@ -152,7 +155,10 @@ impl Catalog {
             }
         }
         if let Some(map) = &index {
-            let mut missing: Vec<&String> = map.values().filter(|f| !shards.iter().any(|s| &&s.name == f)).collect();
+            let mut missing: Vec<&String> = map
+                .values()
+                .filter(|f| !shards.iter().any(|s| &&s.name == f))
+                .collect();
             missing.sort();
             missing.dedup();
             if !missing.is_empty() {
@@ -224,6 +230,7 @@ fn read_index(dir: &Path) -> Result<Option<HashMap<String, String>>> {
     struct Index {
         weight_map: HashMap<String, String>,
     }
-    let idx: Index = serde_json::from_str(&text).map_err(|e| Error::catalog(&path, format!("invalid index: {e}")))?;
+    let idx: Index = serde_json::from_str(&text)
+        .map_err(|e| Error::catalog(&path, format!("invalid index: {e}")))?;
     Ok(Some(idx.weight_map))
 }

@@ -19,11 +19,18 @@ compile_error!("weightstream is Linux-only: it needs O_DIRECT, statx(STATX_DIOAL
 
 pub mod arena;
 pub mod catalog;
+mod chunk;
 pub mod container;
 pub mod direct;
+pub mod engine;
 pub mod error;
+mod inflight;
 pub mod model;
+mod pread;
+mod queue;
+mod ring;
 pub mod stats;
+mod sync;
 pub mod synth;
 pub mod topology;
 pub mod window;
@@ -31,6 +38,7 @@ pub mod window;
 pub use arena::{Arena, Slot, SlotSpec};
 pub use catalog::{Catalog, TensorRef};
 pub use direct::{DirectMode, Loaded};
+pub use engine::{BackendChoice, Engine, EngineConfig, Ticket};
 pub use error::{Error, Result};
 pub use model::{Model, ModelConfig};
 pub use stats::{FallbackCause, Stats};

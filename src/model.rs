@@ -4,6 +4,7 @@
 use std::fs::File;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use crate::arena::{Slot, SlotSpec};
 use crate::catalog::{self, libc_flags, Catalog, ShardInfo, TensorRef};
@@ -64,9 +65,15 @@ pub struct Drive {
     pub counters: DriveCounters,
 }
 
-/// A model ready to read.
-#[derive(Debug)]
+/// A model ready to read. Cloning is cheap (shared); an engine keeps a clone
+/// so its threads can reach the open files.
+#[derive(Debug, Clone)]
 pub struct Model {
+    inner: Arc<ModelInner>,
+}
+
+#[derive(Debug)]
+struct ModelInner {
     catalog: Catalog,
     files: Vec<ShardFile>,
     drives: Vec<Drive>,
@@ -84,25 +91,35 @@ impl Model {
         }
         let listed = catalog::list_shards(dir)?;
         if listed.is_empty() {
-            return Err(Error::catalog(dir, "no *.safetensors shards in this directory"));
+            return Err(Error::catalog(
+                dir,
+                "no *.safetensors shards in this directory",
+            ));
         }
         let mut shards = Vec::with_capacity(listed.len());
         let mut files = Vec::with_capacity(listed.len());
         let mut drives: Vec<Drive> = Vec::new();
         for (name, path) in listed {
             let (buffered, header) = catalog::open_shard(&path)?;
-            let topo = topology::probe(&path, &buffered).map_err(|e| Error::io(&path, "statx", e))?;
+            let topo =
+                topology::probe(&path, &buffered).map_err(|e| Error::io(&path, "statx", e))?;
             let (direct, direct_refused) = if config.direct == DirectMode::Off {
                 (None, Some("direct I/O turned off".to_string()))
             } else if topo.statx_says_no_direct {
                 (
                     None,
-                    Some(format!("statx reports no direct I/O support on {}", topo.fs_type)),
+                    Some(format!(
+                        "statx reports no direct I/O support on {}",
+                        topo.fs_type
+                    )),
                 )
             } else {
                 match open_direct(&path) {
                     Ok(f) => (Some(f), None),
-                    Err(e) => (None, Some(format!("open(O_DIRECT) refused by {}: {e}", topo.fs_type))),
+                    Err(e) => (
+                        None,
+                        Some(format!("open(O_DIRECT) refused by {}: {e}", topo.fs_type)),
+                    ),
                 }
             };
             if config.direct == DirectMode::On {
@@ -147,37 +164,40 @@ impl Model {
         }
         let catalog = Catalog::new(dir, shards)?;
         Ok(Model {
-            catalog,
-            files,
-            drives,
-            direct: config.direct,
+            inner: Arc::new(ModelInner {
+                catalog,
+                files,
+                drives,
+                direct: config.direct,
+            }),
         })
     }
 
     pub fn catalog(&self) -> &Catalog {
-        &self.catalog
+        &self.inner.catalog
     }
 
     pub fn files(&self) -> &[ShardFile] {
-        &self.files
+        &self.inner.files
     }
 
     pub fn drives(&self) -> &[Drive] {
-        &self.drives
+        &self.inner.drives
     }
 
     pub fn direct_mode(&self) -> DirectMode {
-        self.direct
+        self.inner.direct
     }
 
     /// Looks a tensor up by name.
     pub fn tensor(&self, name: &str) -> Result<&TensorRef> {
-        self.catalog.tensor(name)
+        self.inner.catalog.tensor(name)
     }
 
     /// The slot alignment every shard of this model is satisfied by.
     pub fn required_align(&self) -> usize {
-        self.files
+        self.inner
+            .files
             .iter()
             .map(|f| (f.topo.dio_offset_align.max(f.topo.dio_mem_align) as usize).max(4096))
             .max()
@@ -187,27 +207,37 @@ impl Model {
     /// A slot spec that holds the largest tensor whose name contains
     /// `filter` ("" for every tensor), aligned for every shard.
     pub fn slot_spec_for_largest(&self, filter: &str) -> SlotSpec {
-        SlotSpec::new(self.catalog.largest(filter).unwrap_or(0).max(1) as usize).with_align(self.required_align())
+        SlotSpec::new(self.inner.catalog.largest(filter).unwrap_or(0).max(1) as usize)
+            .with_align(self.required_align())
     }
 
     /// Reads `tensor` into `slot` on the calling thread: the payload lands at
     /// `slot base + offset % align`. On error the slot goes back to its arena.
     pub fn read_sync(&self, tensor: &TensorRef, slot: Slot) -> Result<Loaded> {
         let file = self
+            .inner
             .files
             .get(tensor.shard)
             .ok_or_else(|| Error::NoSuchTensor(tensor.name.clone()))?;
-        direct::read_sync(file, &self.drives[file.drive], tensor, slot, self.direct)
+        direct::read_sync(
+            file,
+            &self.inner.drives[file.drive],
+            tensor,
+            slot,
+            self.inner.direct,
+        )
     }
 
     /// A snapshot of the counters.
     pub fn stats(&self) -> Stats {
         let drives: Vec<DriveStats> = self
+            .inner
             .drives
             .iter()
             .map(|d| {
                 let c = &d.counters;
-                let ld = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+                let ld =
+                    |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
                 DriveStats {
                     device: d.device.clone(),
                     mount: d.mount.clone(),
@@ -220,12 +250,18 @@ impl Model {
                     reads_direct: ld(&c.reads_direct),
                     reads_buffered: ld(&c.reads_buffered),
                     fallbacks: stats::snapshot_fallbacks(c),
+                    inflight_max: ld(&c.inflight_max),
+                    chunks_unregistered: ld(&c.chunks_unregistered),
+                    ring: None,
                 }
             })
             .collect();
         Stats {
             backend: "sync",
+            backend_reason: None,
             bytes: drives.iter().map(|d| d.bytes).sum(),
+            fixed_files: None,
+            registered_buffers: None,
             drives,
         }
     }

@@ -68,13 +68,24 @@ pub struct DriveCounters {
     pub bytes_buffered: AtomicU64,
     pub reads_direct: AtomicU64,
     pub reads_buffered: AtomicU64,
+    /// Most chunks in flight at once on this drive.
+    pub inflight_max: AtomicU64,
+    /// Chunks issued as plain reads because their slot's arena is not
+    /// registered with the ring.
+    pub chunks_unregistered: AtomicU64,
     fallbacks: [AtomicU64; N_CAUSES],
     logged: [AtomicBool; N_CAUSES],
 }
 
 impl DriveCounters {
     /// Counts a fallback and logs it the first time this drive sees `cause`.
-    pub fn fallback(&self, drive: &str, file: &Path, cause: FallbackCause, detail: &dyn std::fmt::Display) {
+    pub fn fallback(
+        &self,
+        drive: &str,
+        file: &Path,
+        cause: FallbackCause,
+        detail: &dyn std::fmt::Display,
+    ) {
         let i = cause as usize;
         self.fallbacks[i].fetch_add(1, Relaxed);
         if !self.logged[i].swap(true, Relaxed) {
@@ -109,13 +120,33 @@ pub struct DriveStats {
     pub reads_direct: u64,
     pub reads_buffered: u64,
     pub fallbacks: BTreeMap<&'static str, u64>,
+    pub inflight_max: u64,
+    pub chunks_unregistered: u64,
+    /// The ring's setup (flags, fixed files), for the io_uring backend.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ring: Option<String>,
+}
+
+/// Whether an optional kernel feature is in use, and why not.
+#[derive(Debug, Clone, Serialize)]
+pub struct Feature {
+    pub enabled: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
 }
 
 /// A snapshot of a model's counters.
 #[derive(Debug, Clone, Serialize)]
 pub struct Stats {
     pub backend: &'static str,
+    /// Why this backend (when it was not the first choice).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub backend_reason: Option<String>,
     pub bytes: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fixed_files: Option<Feature>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub registered_buffers: Option<Feature>,
     pub drives: Vec<DriveStats>,
 }
 

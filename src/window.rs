@@ -49,7 +49,13 @@ impl Window {
     /// `tail_room` says the slot reserved room after the payload up to the
     /// next `align` boundary, so the last partial block may also be read with
     /// O_DIRECT when it lies wholly inside the file.
-    pub fn plan(off: u64, len: u64, size: u64, align: u64, tail_room: bool) -> Result<Self, WindowError> {
+    pub fn plan(
+        off: u64,
+        len: u64,
+        size: u64,
+        align: u64,
+        tail_room: bool,
+    ) -> Result<Self, WindowError> {
         if align == 0 || !align.is_power_of_two() {
             return Err(WindowError::BadAlign(align));
         }
@@ -175,8 +181,14 @@ mod tests {
             })
         );
         assert!(Window::plan(u64::MAX, 2, SIZE, 4096, false).is_err());
-        assert_eq!(Window::plan(0, 1, SIZE, 3000, false), Err(WindowError::BadAlign(3000)));
-        assert_eq!(Window::plan(0, 1, SIZE, 0, false), Err(WindowError::BadAlign(0)));
+        assert_eq!(
+            Window::plan(0, 1, SIZE, 3000, false),
+            Err(WindowError::BadAlign(3000))
+        );
+        assert_eq!(
+            Window::plan(0, 1, SIZE, 0, false),
+            Err(WindowError::BadAlign(0))
+        );
     }
 
     #[test]

@@ -9,7 +9,7 @@ use std::time::Instant;
 use clap::{Parser, Subcommand};
 use sha2::{Digest, Sha256};
 use weightstream::synth::{self, SynthSpec};
-use weightstream::{Arena, DirectMode, Model, ModelConfig};
+use weightstream::{Arena, DirectMode, Engine, EngineConfig, Model, ModelConfig};
 
 #[derive(Parser)]
 #[command(
@@ -42,6 +42,8 @@ enum Cmd {
         /// O_DIRECT: auto (where possible, fallbacks counted), on (refuse files that cannot open O_DIRECT), off.
         #[arg(long, default_value = "auto")]
         direct: DirectMode,
+        #[command(flatten)]
+        engine: EngineArgs,
         #[arg(long)]
         json: bool,
     },
@@ -59,9 +61,49 @@ enum Cmd {
     },
 }
 
+/// Engine settings shared by the commands that read.
+#[derive(clap::Args, Debug)]
+struct EngineArgs {
+    /// I/O backend: auto (io_uring, else pread), uring, pread, or sync (the
+    /// one-read-at-a-time reference path). Default: WEIGHTSTREAM_BACKEND or auto.
+    #[arg(long)]
+    backend: Option<String>,
+    /// Chunks in flight per drive (default: WEIGHTSTREAM_QD or 32).
+    #[arg(long)]
+    qd: Option<usize>,
+    /// Largest chunk, e.g. 1MiB (default: the device's max_sectors_kb, clamped to 1-4 MiB).
+    #[arg(long, value_parser = parse_bytes)]
+    chunk: Option<u64>,
+    /// Reads kept in flight (slots in the arena).
+    #[arg(long, default_value_t = 8)]
+    inflight: usize,
+}
+
+impl EngineArgs {
+    /// The engine configuration, or None for the sync reference path.
+    fn config(&self) -> Result<Option<EngineConfig>, weightstream::Error> {
+        let mut c = EngineConfig::from_env()?;
+        if let Some(b) = &self.backend {
+            if b.trim().eq_ignore_ascii_case("sync") {
+                return Ok(None);
+            }
+            c.backend = b.parse()?;
+        }
+        if let Some(q) = self.qd {
+            c.queue_depth = q;
+        }
+        if let Some(ch) = self.chunk {
+            c.chunk = Some(ch as usize);
+        }
+        Ok(Some(c))
+    }
+}
+
 fn parse_bytes(s: &str) -> Result<u64, String> {
     let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(s.len());
+    let split = s
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
     let num: f64 = num
         .parse()
@@ -101,8 +143,9 @@ fn main() -> ExitCode {
             model_dir,
             tensors,
             direct,
+            engine,
             json,
-        } => digest(model_dir, tensors, direct, json),
+        } => digest(model_dir, tensors, direct, &engine, json),
         Cmd::Demo { dir, size, keep } => demo(dir, size, keep),
     };
     match r {
@@ -208,7 +251,13 @@ fn inspect(dir: PathBuf, json: bool) -> CliResult {
     Ok(())
 }
 
-fn digest(dir: PathBuf, names: Vec<String>, direct: DirectMode, json: bool) -> CliResult {
+fn digest(
+    dir: PathBuf,
+    names: Vec<String>,
+    direct: DirectMode,
+    args: &EngineArgs,
+    json: bool,
+) -> CliResult {
     let model = Model::open(ModelConfig::new(&dir).direct(direct))?;
     let cat = model.catalog();
     let mut chosen = Vec::new();
@@ -222,18 +271,44 @@ fn digest(dir: PathBuf, names: Vec<String>, direct: DirectMode, json: bool) -> C
         chosen.dedup_by(|a, b| a.name == b.name);
     }
     let cap = chosen.iter().map(|t| t.len).max().unwrap_or(1).max(1) as usize;
-    let arena = Arena::new(weightstream::SlotSpec::new(cap).with_align(model.required_align()), 1)?;
+    let spec = weightstream::SlotSpec::new(cap).with_align(model.required_align());
     let mut sums = Vec::with_capacity(chosen.len());
-    for t in chosen {
-        let slot = arena.take().expect("one slot, returned after each read");
-        let loaded = model.read_sync(t, slot)?;
-        let h = Sha256::digest(&loaded[..]);
-        sums.push((t.name.clone(), hex(&h)));
-        drop(loaded);
-    }
-    let stats = model.stats();
+    let stats = match args.config()? {
+        None => {
+            let arena = Arena::new(spec, 1)?;
+            for t in chosen {
+                let slot = arena.take().expect("one slot, returned after each read");
+                let loaded = model.read_sync(t, slot)?;
+                sums.push((t.name.clone(), hex(&Sha256::digest(&loaded[..]))));
+            }
+            model.stats()
+        }
+        Some(cfg) => {
+            let engine = Engine::new(&model, cfg)?;
+            let arena = engine.arena(spec, args.inflight.max(1))?;
+            // Keep up to `inflight` reads going; hash in order as each lands.
+            let mut pending = std::collections::VecDeque::new();
+            let mut next = chosen.iter();
+            loop {
+                while let Some(slot) = arena.take() {
+                    let Some(t) = next.next() else {
+                        drop(slot);
+                        break;
+                    };
+                    pending.push_back((t, engine.read(t, slot)?));
+                }
+                let Some((t, ticket)) = pending.pop_front() else {
+                    break;
+                };
+                let loaded = ticket.wait()?;
+                sums.push((t.name.clone(), hex(&Sha256::digest(&loaded[..]))));
+            }
+            engine.stats()
+        }
+    };
     if json {
-        let map: serde_json::Map<String, serde_json::Value> = sums.into_iter().map(|(n, h)| (n, h.into())).collect();
+        let map: serde_json::Map<String, serde_json::Value> =
+            sums.into_iter().map(|(n, h)| (n, h.into())).collect();
         println!(
             "{}",
             serde_json::to_string_pretty(&serde_json::json!({"tensors": map, "stats": stats}))?

@@ -1,0 +1,247 @@
+//! Splitting one planned read into chunks, and deciding what a chunk's
+//! completion means. Pure: both backends (io_uring rings and pread workers)
+//! use exactly this logic, so they cannot drift apart.
+
+use crate::stats::FallbackCause;
+use crate::window::Window;
+
+/// One I/O of a request: `len` bytes of file `file` at `file_off`, landing at
+/// `slot_off` from the slot base.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Chunk {
+    /// Index of the shard file in the model.
+    pub file: u32,
+    /// Read through the O_DIRECT descriptor.
+    pub direct: bool,
+    pub file_off: u64,
+    pub slot_off: usize,
+    pub len: u32,
+    /// Position in the request (for diagnostics and `user_data`).
+    pub seq: u16,
+}
+
+/// Chunks of a planned window: the direct part cut at multiples of `chunk`
+/// (itself a multiple of the alignment), then the buffered tail cut the same
+/// way. `direct` false means the whole payload goes buffered.
+pub(crate) fn split(w: &Window, file: u32, chunk: usize) -> impl Iterator<Item = Chunk> + '_ {
+    debug_assert!(chunk > 0);
+    let chunk = chunk.min(u32::MAX as usize & !4095);
+    let direct = (0..w.direct)
+        .step_by(chunk)
+        .map(move |o| (true, w.start + o as u64, o, chunk.min(w.direct - o)));
+    let (t_file, t_slot) = (w.tail_file_offset(), w.tail_slot_offset());
+    let tail = (0..w.tail)
+        .step_by(chunk)
+        .map(move |o| (false, t_file + o as u64, t_slot + o, chunk.min(w.tail - o)));
+    direct
+        .chain(tail)
+        .enumerate()
+        .map(move |(i, (direct, file_off, slot_off, len))| Chunk {
+            file,
+            direct,
+            file_off,
+            slot_off,
+            len: len as u32,
+            seq: i as u16,
+        })
+}
+
+/// Number of chunks [`split`] yields.
+pub(crate) fn count(w: &Window, chunk: usize) -> usize {
+    let chunk = chunk.min(u32::MAX as usize & !4095);
+    w.direct.div_ceil(chunk) + w.tail.div_ceil(chunk)
+}
+
+/// What to do after a chunk's I/O returned `res` (bytes, or `-errno`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Next {
+    /// The chunk landed.
+    Done,
+    /// Issue this (the remainder after a short read, or the same chunk after
+    /// EINTR/EAGAIN) again.
+    Again(Chunk),
+    /// Issue this buffered instead, counting `cause`.
+    Fallback(Chunk, FallbackCause),
+    /// End of file before the chunk completed: the file shrank.
+    Eof { at: u64 },
+    /// An error no retry on this copy can fix.
+    Fail { errno: i32 },
+}
+
+/// Decides the next step for `c` after its I/O returned `res`. `dio_align`
+/// is the file's O_DIRECT offset alignment: a direct remainder must start on
+/// it, or it goes buffered.
+pub(crate) fn on_result(c: &Chunk, res: i32, dio_align: u32) -> Next {
+    if res >= 0 {
+        let n = res as u32;
+        if n >= c.len {
+            return Next::Done;
+        }
+        if n == 0 {
+            return Next::Eof { at: c.file_off };
+        }
+        // Short but not at EOF (the window never runs past EOF): the rest is
+        // read again, never trusted.
+        let rest = Chunk {
+            file_off: c.file_off + n as u64,
+            slot_off: c.slot_off + n as usize,
+            len: c.len - n,
+            ..*c
+        };
+        if c.direct && (n % dio_align.max(1) != 0) {
+            return Next::Fallback(
+                Chunk {
+                    direct: false,
+                    ..rest
+                },
+                FallbackCause::ShortDirect,
+            );
+        }
+        return Next::Again(rest);
+    }
+    let errno = -res;
+    if errno == libc::EINTR || errno == libc::EAGAIN {
+        return Next::Again(*c);
+    }
+    if c.direct && errno != libc::ECANCELED {
+        let cause = if errno == libc::EINVAL {
+            FallbackCause::DeviceEinval
+        } else {
+            FallbackCause::DirectError
+        };
+        return Next::Fallback(
+            Chunk {
+                direct: false,
+                ..*c
+            },
+            cause,
+        );
+    }
+    Next::Fail { errno }
+}
+
+/// Bytes of the payload `[pad, pad + len)` that chunk `c` carries.
+pub(crate) fn payload_bytes(c: &Chunk, pad: usize, len: usize) -> u64 {
+    let (a, b) = (
+        c.slot_off.max(pad),
+        (c.slot_off + c.len as usize).min(pad + len),
+    );
+    b.saturating_sub(a) as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn w(off: u64, len: u64) -> Window {
+        Window::plan(off, len, 1 << 30, 4096, false).unwrap()
+    }
+
+    #[test]
+    fn chunks_cover_the_window_exactly() {
+        let win = w(71 + 5000, 3 << 20);
+        let cs: Vec<_> = split(&win, 3, 1 << 20).collect();
+        assert_eq!(cs.len(), count(&win, 1 << 20));
+        let mut slot_end = 0;
+        for c in &cs {
+            assert_eq!(
+                c.slot_off,
+                slot_end.max(if c.direct { 0 } else { win.tail_slot_offset() })
+            );
+            assert_eq!(c.file_off - win.start, c.slot_off as u64);
+            if c.direct {
+                assert_eq!(c.len % 4096, 0);
+            }
+            slot_end = c.slot_off + c.len as usize;
+        }
+        assert_eq!(slot_end, win.pad + win.len);
+        let total: u64 = cs.iter().map(|c| payload_bytes(c, win.pad, win.len)).sum();
+        assert_eq!(total, win.len as u64);
+    }
+
+    #[test]
+    fn all_buffered_window() {
+        let win = w(71, 100).buffered();
+        let cs: Vec<_> = split(&win, 0, 1 << 20).collect();
+        assert_eq!(
+            cs,
+            [Chunk {
+                file: 0,
+                direct: false,
+                file_off: 71,
+                slot_off: 71,
+                len: 100,
+                seq: 0
+            }]
+        );
+        assert_eq!(count(&w(0, 0), 4096), 0);
+    }
+
+    #[test]
+    fn results() {
+        let c = Chunk {
+            file: 0,
+            direct: true,
+            file_off: 8192,
+            slot_off: 4096,
+            len: 8192,
+            seq: 1,
+        };
+        assert_eq!(on_result(&c, 8192, 512), Next::Done);
+        assert_eq!(on_result(&c, 0, 512), Next::Eof { at: 8192 });
+        let r = on_result(&c, 4096, 512);
+        assert_eq!(
+            r,
+            Next::Again(Chunk {
+                file_off: 12288,
+                slot_off: 8192,
+                len: 4096,
+                ..c
+            })
+        );
+        let r = on_result(&c, 100, 512);
+        assert_eq!(
+            r,
+            Next::Fallback(
+                Chunk {
+                    direct: false,
+                    file_off: 8292,
+                    slot_off: 4196,
+                    len: 8092,
+                    ..c
+                },
+                FallbackCause::ShortDirect
+            )
+        );
+        assert_eq!(on_result(&c, -libc::EINTR, 512), Next::Again(c));
+        assert_eq!(on_result(&c, -libc::EAGAIN, 512), Next::Again(c));
+        assert_eq!(
+            on_result(&c, -libc::EINVAL, 512),
+            Next::Fallback(Chunk { direct: false, ..c }, FallbackCause::DeviceEinval)
+        );
+        assert_eq!(
+            on_result(&c, -libc::EIO, 512),
+            Next::Fallback(Chunk { direct: false, ..c }, FallbackCause::DirectError)
+        );
+        assert_eq!(
+            on_result(&c, -libc::ECANCELED, 512),
+            Next::Fail {
+                errno: libc::ECANCELED
+            }
+        );
+        let b = Chunk { direct: false, ..c };
+        assert_eq!(
+            on_result(&b, -libc::EIO, 512),
+            Next::Fail { errno: libc::EIO }
+        );
+        assert_eq!(
+            on_result(&b, 10, 512),
+            Next::Again(Chunk {
+                file_off: 8202,
+                slot_off: 4106,
+                len: 8182,
+                ..b
+            })
+        );
+    }
+}

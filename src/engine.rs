@@ -1,0 +1,620 @@
+//! The public facade: an engine over an open model, with one I/O thread per
+//! drive (an io_uring ring, or a small pread pool), arenas registered with
+//! the rings, and tickets that own their slot until every chunk is reaped.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::str::FromStr;
+use std::task::{Context, Poll};
+use std::thread::JoinHandle;
+
+use crate::arena::{Arena, Slot, SlotSpec};
+use crate::catalog::TensorRef;
+use crate::chunk;
+use crate::direct::{self, DirectMode, Loaded};
+use crate::error::{Error, Result};
+use crate::inflight::{Outcome, Request};
+use crate::queue::{Control, DriveQueue, Job, Target};
+use crate::ring::{self, RingConfig, MAX_FIXED_BUFFERS, MAX_FIXED_BUFFER_BYTES};
+use crate::stats::{DriveCounters, Feature, Stats};
+use crate::sync::{lock, Arc, Mutex};
+use crate::topology;
+use crate::Model;
+
+/// Which I/O backend to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BackendChoice {
+    /// io_uring, or the pread backend when io_uring is unavailable (said once).
+    #[default]
+    Auto,
+    /// io_uring only: an error if it is unavailable.
+    Uring,
+    /// The pread worker pool.
+    Pread,
+}
+
+impl FromStr for BackendChoice {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(BackendChoice::Auto),
+            "uring" | "io_uring" | "io-uring" => Ok(BackendChoice::Uring),
+            "pread" => Ok(BackendChoice::Pread),
+            other => Err(Error::Config(format!(
+                "backend {other:?}: expected auto, uring or pread"
+            ))),
+        }
+    }
+}
+
+/// Engine settings. `Default` suits NVMe; [`EngineConfig::from_env`] reads
+/// `WEIGHTSTREAM_BACKEND`, `WEIGHTSTREAM_QD`, `WEIGHTSTREAM_CHUNK`,
+/// `WEIGHTSTREAM_SQPOLL` and `WEIGHTSTREAM_IOPOLL`.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub backend: BackendChoice,
+    /// Chunks in flight per drive.
+    pub queue_depth: usize,
+    /// Largest chunk in bytes; default: the device's `max_sectors_kb`,
+    /// clamped to 1-4 MiB.
+    pub chunk: Option<usize>,
+    /// Kernel-side submission polling (costs a core per ring); off by default.
+    pub sqpoll: bool,
+    /// Completion polling, used only where the device polls (`queue/io_poll`).
+    pub iopoll: bool,
+    /// Worker threads per drive for the pread backend.
+    pub pread_threads: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            backend: BackendChoice::Auto,
+            queue_depth: 32,
+            chunk: None,
+            sqpoll: false,
+            iopoll: false,
+            pread_threads: 8,
+        }
+    }
+}
+
+impl EngineConfig {
+    /// Defaults overridden by the environment.
+    pub fn from_env() -> Result<Self> {
+        let mut c = EngineConfig::default();
+        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
+        if let Some(v) = var("WEIGHTSTREAM_BACKEND") {
+            c.backend = v.parse()?;
+        }
+        if let Some(v) = var("WEIGHTSTREAM_QD") {
+            c.queue_depth = parse_num("WEIGHTSTREAM_QD", &v)?;
+        }
+        if let Some(v) = var("WEIGHTSTREAM_CHUNK") {
+            c.chunk = Some(parse_num("WEIGHTSTREAM_CHUNK", &v)?);
+        }
+        if let Some(v) = var("WEIGHTSTREAM_SQPOLL") {
+            c.sqpoll = matches!(v.trim(), "1" | "on" | "true");
+        }
+        if let Some(v) = var("WEIGHTSTREAM_IOPOLL") {
+            c.iopoll = matches!(v.trim(), "1" | "on" | "true");
+        }
+        Ok(c)
+    }
+}
+
+fn parse_num(what: &str, v: &str) -> Result<usize> {
+    v.trim()
+        .parse()
+        .map_err(|_| Error::Config(format!("{what}={v:?}: expected a positive integer")))
+}
+
+enum Backend {
+    Uring,
+    Pread,
+}
+
+struct DriveIo {
+    q: Arc<DriveQueue>,
+    threads: Vec<JoinHandle<()>>,
+    chunk: usize,
+    ring: Option<String>,
+}
+
+/// An arena registered as fixed buffers: `slots_per_buffer` consecutive
+/// slots per registered buffer, starting at table index `first`.
+struct ArenaReg {
+    id: u64,
+    slots_per_buffer: usize,
+    first: u32,
+}
+
+struct Registry {
+    arenas: Vec<ArenaReg>,
+    next: u32,
+    unregistered: Option<String>,
+}
+
+/// Reads tensors of one model into slots, concurrently, on every drive.
+pub struct Engine {
+    model: Model,
+    backend: Backend,
+    backend_reason: Option<String>,
+    drives: Vec<DriveIo>,
+    fixed_files: Feature,
+    fixed_buffers_ok: bool,
+    registry: Mutex<Registry>,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("backend", &self.backend_name())
+            .field("drives", &self.drives.len())
+            .finish()
+    }
+}
+
+impl Engine {
+    /// Starts one I/O thread (ring) or pool per drive of `model`.
+    pub fn new(model: &Model, config: EngineConfig) -> Result<Self> {
+        let depth = config.queue_depth.clamp(1, 4096);
+        let align = model.required_align();
+        let chunks: Vec<usize> = model
+            .drives()
+            .iter()
+            .map(|d| {
+                let dev_max = model
+                    .files()
+                    .iter()
+                    .find(|f| {
+                        f.drive
+                            == model
+                                .drives()
+                                .iter()
+                                .position(|x| x.dev == d.dev)
+                                .unwrap_or(0)
+                    })
+                    .and_then(|f| topology::max_request_bytes(f.topo.dev_major, f.topo.dev_minor));
+                let c = config
+                    .chunk
+                    .unwrap_or_else(|| dev_max.unwrap_or(1 << 20).clamp(1 << 20, 4 << 20));
+                // A direct chunk must stay aligned: a multiple of the slot alignment.
+                (c.max(align) / align) * align
+            })
+            .collect();
+        let mut reason = None;
+        if config.backend != BackendChoice::Pread {
+            match start_rings(model, depth, &config, &chunks) {
+                Ok((drives, files)) => {
+                    let buffers_ok = drives.iter().all(|d| d.1.fixed_buffers.is_ok());
+                    let unregistered = drives.iter().find_map(|d| d.1.fixed_buffers.clone().err());
+                    if let Some(why) = &unregistered {
+                        tracing::warn!("fixed buffers unavailable ({why}); reads use plain Read (counted per drive as chunks_unregistered)");
+                    }
+                    return Ok(Engine {
+                        model: model.clone(),
+                        backend: Backend::Uring,
+                        backend_reason: None,
+                        drives: drives.into_iter().map(|d| d.0).collect(),
+                        fixed_files: files,
+                        fixed_buffers_ok: buffers_ok,
+                        registry: Mutex::new(Registry {
+                            arenas: Vec::new(),
+                            next: 0,
+                            unregistered,
+                        }),
+                    });
+                }
+                Err(e) if config.backend == BackendChoice::Auto => {
+                    let why = format!(
+                        "io_uring unavailable ({e}{}); using the pread backend",
+                        match e.raw_os_error() {
+                            Some(libc::EPERM) => ": kernel.io_uring_disabled or a seccomp profile",
+                            Some(libc::ENOSYS) => ": kernel without io_uring or a seccomp profile",
+                            _ => "",
+                        }
+                    );
+                    tracing::warn!("{why}");
+                    reason = Some(why);
+                }
+                Err(e) => return Err(Error::io("<io_uring>", "io_uring_setup", e)),
+            }
+        }
+        let mut drives = Vec::new();
+        for (i, &chunk) in chunks.iter().enumerate() {
+            let q = Arc::new(DriveQueue::new(depth, None));
+            let threads = crate::pread::start(model, i, &q, config.pread_threads.min(depth))
+                .map_err(|e| Error::io("<pread pool>", "spawn worker", e))?;
+            drives.push(DriveIo {
+                q,
+                threads,
+                chunk,
+                ring: None,
+            });
+        }
+        Ok(Engine {
+            model: model.clone(),
+            backend: Backend::Pread,
+            backend_reason: reason.or_else(|| {
+                (config.backend == BackendChoice::Pread).then(|| "chosen by configuration".into())
+            }),
+            drives,
+            fixed_files: Feature {
+                enabled: false,
+                reason: Some("pread backend".into()),
+            },
+            fixed_buffers_ok: false,
+            registry: Mutex::new(Registry {
+                arenas: Vec::new(),
+                next: 0,
+                unregistered: Some("pread backend".into()),
+            }),
+        })
+    }
+
+    /// The model this engine reads.
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    pub fn backend_name(&self) -> &'static str {
+        match self.backend {
+            Backend::Uring => "uring",
+            Backend::Pread => "pread",
+        }
+    }
+
+    /// Chunk size used on drive `i`.
+    pub fn chunk_bytes(&self, drive: usize) -> usize {
+        self.drives[drive].chunk
+    }
+
+    /// An arena of `count` slots of `spec`, registered with every ring as
+    /// fixed buffers. When registration is refused (RLIMIT_MEMLOCK for
+    /// non-root users, or a full table) the arena still works through plain
+    /// reads; the reason is warned once and reported in the stats.
+    pub fn arena(&self, spec: SlotSpec, count: usize) -> Result<Arena> {
+        let spec = SlotSpec {
+            align: spec.align.max(self.model.required_align()),
+            ..spec
+        };
+        let arena = Arena::new(spec, count)?;
+        if matches!(self.backend, Backend::Uring) && self.fixed_buffers_ok {
+            self.register(&arena);
+        }
+        Ok(arena)
+    }
+
+    fn register(&self, arena: &Arena) {
+        let slot_len = arena.slot_len();
+        let (base, _) = arena.region();
+        let mut reg = lock(&self.registry);
+        let refuse = |reg: &mut Registry, why: String| {
+            if reg.unregistered.is_none() {
+                tracing::warn!("arena of {} bytes not registered as fixed buffers: {why}; its reads use plain Read (counted as chunks_unregistered)", arena.len() * slot_len);
+            }
+            reg.unregistered = Some(why);
+        };
+        if slot_len > MAX_FIXED_BUFFER_BYTES {
+            return refuse(
+                &mut reg,
+                format!("a slot of {slot_len} bytes exceeds the 1 GiB fixed-buffer limit"),
+            );
+        }
+        let per = (MAX_FIXED_BUFFER_BYTES / slot_len).max(1);
+        let n = arena.len().div_ceil(per) as u32;
+        if reg.next + n > MAX_FIXED_BUFFERS {
+            return refuse(
+                &mut reg,
+                format!("the fixed-buffer table ({MAX_FIXED_BUFFERS} entries) is full"),
+            );
+        }
+        let iovecs: Vec<(usize, usize)> = (0..n as usize)
+            .map(|k| {
+                let first_slot = k * per;
+                let slots = per.min(arena.len() - first_slot);
+                (base as usize + first_slot * slot_len, slots * slot_len)
+            })
+            .collect();
+        let first = reg.next;
+        for d in &self.drives {
+            let (tx, rx) = std::sync::mpsc::channel();
+            d.q.push_control(Control::RegisterBuffers {
+                first,
+                iovecs: iovecs.clone(),
+                reply: tx,
+            });
+            match rx.recv() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    let why = if e.raw_os_error() == Some(libc::ENOMEM) {
+                        let (soft, _) = memlock_limit();
+                        let need_kib =
+                            ((arena.len() * slot_len).div_ceil(1024) * self.drives.len()) as u64;
+                        format!(
+                            "registering {} bytes failed with ENOMEM: RLIMIT_MEMLOCK is {}; raise it (`ulimit -l {}` or more, in KiB) or run with CAP_IPC_LOCK",
+                            arena.len() * slot_len,
+                            soft.map_or("unlimited".to_string(), |s| format!("{s} bytes")),
+                            need_kib + soft.unwrap_or(0) / 1024
+                        )
+                    } else {
+                        format!("register_buffers_update: {e}")
+                    };
+                    return refuse(&mut reg, why);
+                }
+                Err(_) => return refuse(&mut reg, "ring thread gone".into()),
+            }
+        }
+        reg.next += n;
+        reg.arenas.push(ArenaReg {
+            id: arena.id(),
+            slots_per_buffer: per,
+            first,
+        });
+    }
+
+    fn buf_index(&self, slot: &Slot) -> Option<u16> {
+        if !matches!(self.backend, Backend::Uring) {
+            return None;
+        }
+        let reg = lock(&self.registry);
+        let a = reg.arenas.iter().find(|a| a.id == slot.arena_id())?;
+        Some((a.first as usize + slot.index() / a.slots_per_buffer) as u16)
+    }
+
+    /// Starts reading `tensor` into `slot`; the slot moves into the ticket
+    /// and comes back with the payload (or goes back to its arena on error).
+    /// Blocks only while the drive already has `queue_depth` chunks in flight.
+    pub fn read(&self, tensor: &TensorRef, slot: Slot) -> Result<Ticket> {
+        let file = self
+            .model
+            .files()
+            .get(tensor.shard)
+            .ok_or_else(|| Error::NoSuchTensor(tensor.name.clone()))?;
+        let drive = &self.model.drives()[file.drive];
+        let c = &drive.counters;
+        let mut w = direct::plan(&file.path, file.size, tensor, &slot)?;
+        if self.model.direct_mode() == DirectMode::Off {
+            w = w.buffered();
+        } else if let Some((cause, why)) = direct::direct_refusal(file, &w, &slot) {
+            c.fallback(&drive.device, &file.path, cause, &why);
+            w = w.buffered();
+        }
+        DriveCounters::add(
+            if w.direct > 0 {
+                &c.reads_direct
+            } else {
+                &c.reads_buffered
+            },
+            1,
+        );
+        let io = &self.drives[file.drive];
+        let target = Target {
+            base: slot.base() as usize,
+            buf_index: self.buf_index(&slot),
+        };
+        let n = chunk::count(&w, io.chunk);
+        if target.buf_index.is_none() && matches!(self.backend, Backend::Uring) {
+            ring::count_unregistered(c, n as u64);
+        }
+        let (pad, len) = (w.pad, w.len);
+        let req = Request::new(slot, n);
+        let mut queued = 0usize;
+        let mut split = chunk::split(&w, tensor.shard as u32, io.chunk);
+        while let Some(ch) = split.next() {
+            if !io.q.credits.try_acquire() {
+                if queued > 0 {
+                    io.q.notify();
+                    queued = 0;
+                }
+                if !io.q.credits.acquire() {
+                    // The drive is shutting down: this chunk and the rest fail.
+                    req.fail(Error::io(
+                        &file.path,
+                        "read",
+                        std::io::Error::other("engine is shutting down"),
+                    ));
+                    for _ in 0..1 + split.count() {
+                        req.chunk_done();
+                    }
+                    break;
+                }
+            }
+            io.q.push(Job {
+                req: Arc::clone(&req),
+                chunk: ch,
+                target,
+                pad,
+                len,
+                retries: 0,
+            });
+            queued += 1;
+        }
+        if queued > 0 {
+            io.q.notify();
+        }
+        Ok(Ticket { req, pad, len })
+    }
+
+    /// Starts several reads; stops at the first refused one (the tickets
+    /// already issued are returned with it dropped: their slots come back
+    /// when their reads complete).
+    pub fn read_batch<'a, I>(&self, reads: I) -> Result<Vec<Ticket>>
+    where
+        I: IntoIterator<Item = (&'a TensorRef, Slot)>,
+    {
+        reads.into_iter().map(|(t, s)| self.read(t, s)).collect()
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> Stats {
+        let mut s = self.model.stats();
+        s.backend = self.backend_name();
+        s.backend_reason = self.backend_reason.clone();
+        s.fixed_files = Some(self.fixed_files.clone());
+        let unregistered = lock(&self.registry).unregistered.clone();
+        s.registered_buffers = Some(Feature {
+            enabled: unregistered.is_none(),
+            reason: unregistered,
+        });
+        for (d, io) in s.drives.iter_mut().zip(&self.drives) {
+            d.ring = io.ring.clone();
+        }
+        s
+    }
+}
+
+impl Drop for Engine {
+    /// Drains every drive: each thread finishes what is in flight (the
+    /// kernel may be writing into those slots) before it exits.
+    fn drop(&mut self) {
+        for d in &self.drives {
+            d.q.shutdown();
+        }
+        for d in &mut self.drives {
+            for t in d.threads.drain(..) {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+type RingStart = (Vec<(DriveIo, ring::RingSetup)>, Feature);
+
+fn start_rings(
+    model: &Model,
+    depth: usize,
+    config: &EngineConfig,
+    chunks: &[usize],
+) -> std::io::Result<RingStart> {
+    let mut out: Vec<(DriveIo, ring::RingSetup)> = Vec::new();
+    for (i, &chunk) in chunks.iter().enumerate() {
+        let efd = rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC)?;
+        let q = Arc::new(DriveQueue::new(depth, Some(efd)));
+        let iopoll = config.iopoll && device_polls(model, i);
+        let cfg = RingConfig {
+            depth: depth as u32,
+            sqpoll: config.sqpoll,
+            iopoll,
+        };
+        match ring::start(model, i, &q, cfg) {
+            Ok((handle, setup)) => {
+                let desc = format!(
+                    "{}{}",
+                    setup.flags,
+                    match &setup.fixed_files {
+                        Ok(()) => ", fixed files".to_string(),
+                        Err(e) => format!(", no fixed files ({e})"),
+                    }
+                );
+                out.push((
+                    DriveIo {
+                        q,
+                        threads: vec![handle],
+                        chunk,
+                        ring: Some(desc),
+                    },
+                    setup,
+                ));
+            }
+            Err(e) => {
+                for (d, _) in &mut out {
+                    d.q.shutdown();
+                    for t in d.threads.drain(..) {
+                        let _ = t.join();
+                    }
+                }
+                return Err(e);
+            }
+        }
+    }
+    let refused = out.iter().find_map(|d| d.1.fixed_files.clone().err());
+    if let Some(why) = &refused {
+        tracing::warn!("fixed files unavailable ({why}); reads use plain descriptors");
+    }
+    Ok((
+        out,
+        Feature {
+            enabled: refused.is_none(),
+            reason: refused,
+        },
+    ))
+}
+
+/// Whether the block device behind drive `i` completes by polling.
+fn device_polls(model: &Model, i: usize) -> bool {
+    let Some(f) = model.files().iter().find(|f| f.drive == i) else {
+        return false;
+    };
+    let p = format!(
+        "/sys/dev/block/{}:{}/queue/io_poll",
+        f.topo.dev_major, f.topo.dev_minor
+    );
+    std::fs::read_to_string(p)
+        .map(|s| s.trim() == "1")
+        .unwrap_or(false)
+}
+
+fn memlock_limit() -> (Option<u64>, Option<u64>) {
+    let l = rustix::process::getrlimit(rustix::process::Resource::Memlock);
+    (l.current, l.maximum)
+}
+
+/// A read in flight. It owns the slot: the payload is reachable only once
+/// every chunk has completed. Dropping it early is safe: the slot returns
+/// to its arena after the last completion is reaped.
+#[must_use = "a ticket owns its slot; wait() for the payload"]
+pub struct Ticket {
+    req: Arc<Request<Slot>>,
+    pad: usize,
+    len: usize,
+}
+
+impl std::fmt::Debug for Ticket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ticket")
+            .field("len", &self.len)
+            .field("ready", &self.is_ready())
+            .finish()
+    }
+}
+
+impl Ticket {
+    fn resolve(&self, o: Outcome<Slot>) -> Result<Loaded> {
+        match o {
+            Outcome::Ready(slot) => Ok(Loaded::new(slot, self.pad, self.len)),
+            Outcome::Failed(e) => Err(e),
+            Outcome::Spent => Err(Error::Config("ticket polled after it completed".into())),
+        }
+    }
+
+    /// Blocks until the payload has landed.
+    pub fn wait(self) -> Result<Loaded> {
+        let o = self.req.wait();
+        self.resolve(o)
+    }
+
+    /// Whether every chunk has completed.
+    pub fn is_ready(&self) -> bool {
+        self.req.is_done()
+    }
+
+    /// The payload if it has landed, else the ticket back.
+    pub fn try_wait(self) -> std::result::Result<Result<Loaded>, Ticket> {
+        match self.req.try_take() {
+            Some(o) => Ok(self.resolve(o)),
+            None => Err(self),
+        }
+    }
+}
+
+impl Future for Ticket {
+    type Output = Result<Loaded>;
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.req.poll(cx.waker()) {
+            Poll::Ready(o) => Poll::Ready(self.resolve(o)),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}

@@ -1,0 +1,436 @@
+//! In-flight bookkeeping shared by every backend: one [`Request`] per tensor
+//! read, counting its outstanding chunks, holding the slot the kernel writes
+//! into, and waking whoever waits; and [`Credits`], the per-drive bound on
+//! chunks in flight.
+//!
+//! Ownership is the safety argument. A request owns its slot; the submitter
+//! of each chunk (a ring thread or a pread worker) holds an `Arc` of the
+//! request from submission until that chunk's completion is reaped. The
+//! caller's ticket holds one more. The slot is dropped (returned to its
+//! arena) when the last `Arc` goes, so neither a ticket dropped early nor an
+//! engine shutting down can hand back memory the kernel may still write.
+//!
+//! Ordering: each chunk's completion does `pending.fetch_sub(1, AcqRel)`.
+//! Release publishes the bytes that completer observed landing; the last
+//! completer's Acquire collects every earlier completer's, and it then
+//! publishes `done` under the state mutex, which the waiter acquires. The
+//! loom models at the bottom check this, and fail when it is weakened.
+
+use std::task::{Poll, Waker};
+
+use crate::error::Error;
+use crate::sync::{lock, Arc, AtomicBool, AtomicUsize, Condvar, Mutex, Ordering};
+
+struct State<S> {
+    slot: Option<S>,
+    error: Option<Error>,
+    done: bool,
+    taken: bool,
+    waker: Option<Waker>,
+}
+
+/// One read: its slot, its outstanding chunks, its first error.
+pub(crate) struct Request<S> {
+    pending: AtomicUsize,
+    state: Mutex<State<S>>,
+    done_cv: Condvar,
+}
+
+/// What a finished request hands back.
+pub(crate) enum Outcome<S> {
+    Ready(S),
+    Failed(Error),
+    /// The result was already taken (polled after completion).
+    Spent,
+}
+
+impl<S> Request<S> {
+    /// A request of `chunks` chunks holding `slot`. With 0 chunks it is
+    /// complete at once.
+    pub(crate) fn new(slot: S, chunks: usize) -> Arc<Self> {
+        Arc::new(Request {
+            pending: AtomicUsize::new(chunks),
+            state: Mutex::new(State {
+                slot: Some(slot),
+                error: None,
+                done: chunks == 0,
+                taken: false,
+                waker: None,
+            }),
+            done_cv: Condvar::new(),
+        })
+    }
+
+    /// Records an error; the first one is kept (it names the copy and errno).
+    pub(crate) fn fail(&self, e: Error) {
+        let mut st = lock(&self.state);
+        if st.error.is_none() {
+            st.error = Some(e);
+        }
+    }
+
+    /// Adds chunks to a request before its last chunk completes (a resubmit
+    /// that splits a chunk). The caller must still own one pending chunk.
+    #[allow(dead_code)]
+    pub(crate) fn add_chunks(&self, n: usize) {
+        self.pending.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// One chunk is finished (landed or failed). Returns true for the one
+    /// call that completed the request and published it.
+    pub(crate) fn chunk_done(&self) -> bool {
+        if self.pending.fetch_sub(1, Ordering::AcqRel) != 1 {
+            return false;
+        }
+        let waker = {
+            let mut st = lock(&self.state);
+            debug_assert!(!st.done, "a request is published exactly once");
+            st.done = true;
+            st.waker.take()
+        };
+        self.done_cv.notify_all();
+        if let Some(w) = waker {
+            w.wake();
+        }
+        true
+    }
+
+    /// Whether every chunk has completed.
+    pub(crate) fn is_done(&self) -> bool {
+        lock(&self.state).done
+    }
+
+    fn take(st: &mut State<S>) -> Outcome<S> {
+        if st.taken {
+            return Outcome::Spent;
+        }
+        st.taken = true;
+        match st.error.take() {
+            // The slot stays in the request and goes back to its arena when
+            // the last holder drops the request.
+            Some(e) => Outcome::Failed(e),
+            None => match st.slot.take() {
+                Some(s) => Outcome::Ready(s),
+                None => Outcome::Spent,
+            },
+        }
+    }
+
+    /// Blocks until the request completes, then takes its result.
+    pub(crate) fn wait(&self) -> Outcome<S> {
+        let mut st = lock(&self.state);
+        while !st.done {
+            st = match self.done_cv.wait(st) {
+                Ok(g) => g,
+                Err(p) => p.into_inner(),
+            };
+        }
+        Self::take(&mut st)
+    }
+
+    /// Takes the result if the request is complete.
+    pub(crate) fn try_take(&self) -> Option<Outcome<S>> {
+        let mut st = lock(&self.state);
+        st.done.then(|| Self::take(&mut st))
+    }
+
+    /// Future-style: the result, or registers `waker`.
+    pub(crate) fn poll(&self, waker: &Waker) -> Poll<Outcome<S>> {
+        let mut st = lock(&self.state);
+        if st.done {
+            return Poll::Ready(Self::take(&mut st));
+        }
+        match &st.waker {
+            Some(w) if w.will_wake(waker) => {}
+            _ => st.waker = Some(waker.clone()),
+        }
+        Poll::Pending
+    }
+}
+
+/// A per-drive bound on chunks in flight (the queue depth). Producers block
+/// while none is free; the reaper returns them. Closing wakes every producer.
+pub(crate) struct Credits {
+    avail: Mutex<usize>,
+    cv: Condvar,
+    closed: AtomicBool,
+}
+
+impl Credits {
+    pub(crate) fn new(n: usize) -> Self {
+        Credits {
+            avail: Mutex::new(n),
+            cv: Condvar::new(),
+            closed: AtomicBool::new(false),
+        }
+    }
+
+    /// Takes one credit if one is free.
+    pub(crate) fn try_acquire(&self) -> bool {
+        let mut a = lock(&self.avail);
+        if *a > 0 {
+            *a -= 1;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Takes one credit, sleeping until one is returned. False when closed.
+    pub(crate) fn acquire(&self) -> bool {
+        let mut a = lock(&self.avail);
+        loop {
+            if self.closed.load(Ordering::Acquire) {
+                return false;
+            }
+            if *a > 0 {
+                *a -= 1;
+                return true;
+            }
+            a = match self.cv.wait(a) {
+                Ok(g) => g,
+                Err(p) => p.into_inner(),
+            };
+        }
+    }
+
+    /// Returns `n` credits and wakes producers.
+    pub(crate) fn release(&self, n: usize) {
+        *lock(&self.avail) += n;
+        self.cv.notify_all();
+    }
+
+    /// Refuses every later acquire and wakes every sleeping producer.
+    pub(crate) fn close(&self) {
+        let _g = lock(&self.avail);
+        self.closed.store(true, Ordering::Release);
+        drop(_g);
+        self.cv.notify_all();
+    }
+
+    #[cfg(test)]
+    pub(crate) fn available(&self) -> usize {
+        *lock(&self.avail)
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn last_chunk_publishes_once() {
+        let r = Request::new(7u32, 3);
+        assert!(!r.chunk_done());
+        assert!(!r.chunk_done());
+        assert!(r.try_take().is_none());
+        assert!(r.chunk_done());
+        assert!(matches!(r.wait(), Outcome::Ready(7)));
+        assert!(matches!(r.wait(), Outcome::Spent));
+    }
+
+    #[test]
+    fn first_error_wins_and_keeps_the_slot_until_drop() {
+        let r = Request::new(1u8, 2);
+        r.fail(Error::Config("first".into()));
+        r.fail(Error::Config("second".into()));
+        r.chunk_done();
+        r.chunk_done();
+        match r.wait() {
+            Outcome::Failed(e) => assert_eq!(e.to_string(), "first"),
+            _ => panic!("expected the first error"),
+        }
+    }
+
+    #[test]
+    fn zero_chunks_is_complete() {
+        let r = Request::new((), 0);
+        assert!(r.is_done());
+    }
+
+    #[test]
+    fn credits_count_and_close() {
+        let c = Credits::new(2);
+        assert!(c.try_acquire());
+        assert!(c.acquire());
+        assert!(!c.try_acquire());
+        c.release(1);
+        assert_eq!(c.available(), 1);
+        c.close();
+        assert!(!c.acquire());
+    }
+}
+
+/// Model checks of the bookkeeping with a mock kernel: run with
+/// `RUSTFLAGS="--cfg loom" cargo test --release --lib inflight::loom_models`.
+#[cfg(all(test, loom))]
+mod loom_models {
+    use super::*;
+    use loom::cell::UnsafeCell;
+    use loom::thread;
+
+    /// A slot the "kernel" writes into: one byte per chunk.
+    struct MockSlot {
+        bytes: UnsafeCell<[u8; 2]>,
+        freed: Arc<AtomicUsize>,
+        kernel_busy: Arc<AtomicUsize>,
+    }
+
+    // SAFETY: the model checks exactly this claim: each byte is written by
+    // one completer and read only after publication.
+    unsafe impl Sync for MockSlot {}
+
+    impl Drop for MockSlot {
+        fn drop(&mut self) {
+            // Never early: no chunk may still be in flight when the slot goes.
+            assert_eq!(
+                self.kernel_busy.load(Ordering::Acquire),
+                0,
+                "slot freed while the kernel owns it"
+            );
+            self.freed.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn mock(busy: usize) -> (MockSlot, Arc<AtomicUsize>, Arc<AtomicUsize>) {
+        let freed = Arc::new(AtomicUsize::new(0));
+        let kernel_busy = Arc::new(AtomicUsize::new(busy));
+        (
+            MockSlot {
+                bytes: UnsafeCell::new([0; 2]),
+                freed: freed.clone(),
+                kernel_busy: kernel_busy.clone(),
+            },
+            freed,
+            kernel_busy,
+        )
+    }
+
+    /// Two chunks complete on two "ring threads"; the waiter sees both
+    /// bytes, and exactly one completer publishes.
+    #[test]
+    fn last_completer_publishes_once_with_data_visible() {
+        loom::model(|| {
+            let (slot, _, _) = mock(0);
+            let req = Request::new(slot, 2);
+            let published = Arc::new(AtomicUsize::new(0));
+            let handles: Vec<_> = (0..2)
+                .map(|i| {
+                    let req = req.clone();
+                    let published = published.clone();
+                    // The completer is handed the slot's address as the kernel is.
+                    let cell: *const UnsafeCell<[u8; 2]> = {
+                        let st = lock(&req.state);
+                        &st.slot.as_ref().unwrap().bytes as *const _
+                    };
+                    let cell = cell as usize;
+                    thread::spawn(move || {
+                        // SAFETY: the slot lives in `req`, which this thread keeps alive.
+                        let cell = unsafe { &*(cell as *const UnsafeCell<[u8; 2]>) };
+                        // SAFETY: byte i is written only by completer i.
+                        cell.with_mut(|b| unsafe { (*b)[i] = i as u8 + 1 });
+                        if req.chunk_done() {
+                            published.fetch_add(1, Ordering::Relaxed);
+                        }
+                    })
+                })
+                .collect();
+            match req.wait() {
+                Outcome::Ready(s) => {
+                    // SAFETY: published: no completer writes any more.
+                    let b = s.bytes.with(|b| unsafe { *b });
+                    assert_eq!(b, [1, 2]);
+                }
+                _ => panic!("expected the slot"),
+            }
+            for h in handles {
+                h.join().unwrap();
+            }
+            assert_eq!(published.load(Ordering::Relaxed), 1);
+        });
+    }
+
+    /// The ticket is dropped while a chunk is in flight: the slot is freed
+    /// exactly once, and only after the completion was reaped.
+    #[test]
+    fn ticket_drop_racing_completion_frees_once_never_early() {
+        loom::model(|| {
+            let (slot, freed, busy) = mock(1);
+            let req = Request::new(slot, 1);
+            let ticket = req.clone();
+            let kernel = {
+                let busy = busy.clone();
+                thread::spawn(move || {
+                    // The completion is reaped: the kernel no longer owns the slot.
+                    busy.fetch_sub(1, Ordering::Release);
+                    req.chunk_done();
+                    drop(req);
+                })
+            };
+            drop(ticket);
+            kernel.join().unwrap();
+            assert_eq!(freed.load(Ordering::Relaxed), 1);
+        });
+    }
+
+    /// A producer blocked on credits is woken by the reaper returning one.
+    #[test]
+    fn producer_blocked_on_credits_is_woken() {
+        loom::model(|| {
+            let credits = Arc::new(Credits::new(1));
+            let in_flight = Arc::new(AtomicUsize::new(0));
+            let (tx, rx) = loom::sync::mpsc::channel::<()>();
+            let reaper = {
+                let credits = credits.clone();
+                let in_flight = in_flight.clone();
+                thread::spawn(move || {
+                    for _ in 0..2 {
+                        rx.recv().unwrap();
+                        in_flight.fetch_sub(1, Ordering::Relaxed);
+                        credits.release(1);
+                    }
+                })
+            };
+            for _ in 0..2 {
+                assert!(credits.acquire());
+                assert_eq!(
+                    in_flight.fetch_add(1, Ordering::Relaxed),
+                    0,
+                    "more in flight than credits"
+                );
+                tx.send(()).unwrap();
+            }
+            reaper.join().unwrap();
+        });
+    }
+
+    /// Shutdown: closing the credits wakes a blocked producer, and a drain
+    /// that waits for every pending chunk sees the slot freed once.
+    #[test]
+    fn shutdown_drains_before_freeing() {
+        loom::model(|| {
+            let credits = Arc::new(Credits::new(0));
+            let producer = {
+                let credits = credits.clone();
+                thread::spawn(move || credits.acquire())
+            };
+            let (slot, freed, busy) = mock(1);
+            let req = Request::new(slot, 1);
+            let ring = {
+                let req = req.clone();
+                let busy = busy.clone();
+                thread::spawn(move || {
+                    busy.fetch_sub(1, Ordering::Release);
+                    req.chunk_done();
+                })
+            };
+            credits.close();
+            assert!(!producer.join().unwrap(), "a closed drive grants no credit");
+            // The engine's drop: wait for the ring to drain, then free.
+            ring.join().unwrap();
+            assert!(req.is_done());
+            drop(req);
+            assert_eq!(freed.load(Ordering::Relaxed), 1);
+        });
+    }
+}

@@ -1,0 +1,79 @@
+//! The pread backend: the same contract and the same tickets without
+//! io_uring (seccomp profiles, `kernel.io_uring_disabled`, old kernels). A
+//! small pool of threads per drive takes chunks from the drive's queue and
+//! `pread`s each straight into its place in the slot.
+
+use std::thread::JoinHandle;
+
+use crate::queue::{settle, DriveQueue, Job};
+use crate::sync::{lock, Arc};
+use crate::Model;
+
+/// Starts `threads` workers for drive `drive`.
+pub(crate) fn start(
+    model: &Model,
+    drive: usize,
+    q: &Arc<DriveQueue>,
+    threads: usize,
+) -> std::io::Result<Vec<JoinHandle<()>>> {
+    let name = format!("ws-pread-{}", model.drives()[drive].device);
+    (0..threads.max(1))
+        .map(|i| {
+            let (model, q) = (model.clone(), Arc::clone(q));
+            std::thread::Builder::new()
+                .name(format!("{name}-{i}"))
+                .spawn(move || worker(&model, &q))
+        })
+        .collect()
+}
+
+fn worker(model: &Model, q: &DriveQueue) {
+    loop {
+        let job = {
+            let mut jobs = lock(&q.jobs);
+            loop {
+                if let Some(j) = jobs.reads.pop_front() {
+                    break Some(j);
+                }
+                if jobs.shutdown {
+                    break None;
+                }
+                jobs = match q.ready.wait(jobs) {
+                    Ok(g) => g,
+                    Err(p) => p.into_inner(),
+                };
+            }
+        };
+        let Some(mut job) = job else { return };
+        loop {
+            let res = pread_chunk(model, &job);
+            match settle(job, res, model, q) {
+                Some(again) => job = again,
+                None => break,
+            }
+        }
+    }
+}
+
+/// One `pread` of a chunk into its slot: bytes read, or `-errno`.
+pub(crate) fn pread_chunk(model: &Model, job: &Job) -> i32 {
+    let file = &model.files()[job.chunk.file as usize];
+    let fd = match (&file.direct, job.chunk.direct) {
+        (Some(d), true) => d,
+        _ => &file.buffered,
+    };
+    // SAFETY: the slot is owned by `job.req`, which this job keeps alive, and
+    // spans `[base, base + slot_len)`; the chunk lies inside it (planned by
+    // `window`/`chunk`), no other chunk of the request overlaps it, and the
+    // caller cannot reach the slot until the request completes.
+    let buf = unsafe {
+        std::slice::from_raw_parts_mut(
+            (job.target.base + job.chunk.slot_off) as *mut u8,
+            job.chunk.len as usize,
+        )
+    };
+    match rustix::io::pread(fd, buf, job.chunk.file_off) {
+        Ok(n) => n as i32,
+        Err(e) => -e.raw_os_error(),
+    }
+}
