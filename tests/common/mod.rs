@@ -1,0 +1,215 @@
+//! Helpers shared by the integration tests: a tiny hand-written safetensors
+//! writer (so headers can have any length, including odd ones the reference
+//! writer never produces, and any defect a test needs), deterministic
+//! content, and running the built binary.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// A fresh directory under Cargo's per-target temp dir (same filesystem as
+/// the build, so O_DIRECT behaves as on the project's disk, not on a tmpfs
+/// `/tmp`).
+pub fn tempdir() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("ws-test-")
+        .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
+        .expect("create a temp dir under CARGO_TARGET_TMPDIR")
+}
+
+/// Deterministic bytes that differ at every position and between seeds, so
+/// a payload read from the wrong offset (even off by one) never matches.
+pub fn content(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0xd1b5_4a32_d192_ed03;
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        // xorshift64*
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        out.extend_from_slice(&x.wrapping_mul(0x2545_f491_4f6c_dd1d).to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+/// One tensor entry of a hand-written header.
+#[derive(Debug, Clone)]
+pub struct Entry {
+    pub name: String,
+    pub dtype: String,
+    pub shape: Vec<usize>,
+    /// `data_offsets`, relative to the data section.
+    pub begin: u64,
+    pub end: u64,
+}
+
+impl Entry {
+    pub fn u8(name: &str, begin: u64, end: u64) -> Self {
+        Entry {
+            name: name.into(),
+            dtype: "U8".into(),
+            shape: vec![(end - begin) as usize],
+            begin,
+            end,
+        }
+    }
+}
+
+/// The JSON header for `entries` (no padding).
+pub fn header_json(entries: &[Entry]) -> String {
+    let items: Vec<String> = entries
+        .iter()
+        .map(|e| {
+            let shape: Vec<String> = e.shape.iter().map(|d| d.to_string()).collect();
+            format!(
+                "\"{}\":{{\"dtype\":\"{}\",\"shape\":[{}],\"data_offsets\":[{},{}]}}",
+                e.name,
+                e.dtype,
+                shape.join(","),
+                e.begin,
+                e.end
+            )
+        })
+        .collect();
+    format!("{{{}}}", items.join(","))
+}
+
+/// `json` padded with trailing spaces to exactly `len` bytes.
+pub fn pad_json(json: &str, len: usize) -> Vec<u8> {
+    assert!(
+        json.len() <= len,
+        "header JSON of {} bytes does not fit in {len}",
+        json.len()
+    );
+    let mut h = json.as_bytes().to_vec();
+    h.resize(len, b' ');
+    h
+}
+
+/// Bytes of a container: 8-byte little-endian header length, header, data.
+pub fn container_bytes(header: &[u8], data: &[u8]) -> Vec<u8> {
+    let mut out = (header.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(header);
+    out.extend_from_slice(data);
+    out
+}
+
+pub fn write_container(path: &Path, header: &[u8], data: &[u8]) {
+    std::fs::write(path, container_bytes(header, data)).expect("write container");
+}
+
+/// A shard built from wanted absolute file ranges: U8 tensors placed at the
+/// given file offsets, with filler tensors closing the gaps (offsets must be
+/// contiguous; named after `data_start`, so give each shard of one model its
+/// own), and the JSON header padded so the data section starts at exactly
+/// `data_start` (odd values give an odd header length).
+pub struct Layout {
+    data_start: u64,
+    cursor: u64,
+    entries: Vec<Entry>,
+    fillers: usize,
+    /// (name, absolute file offset, length) of the wanted tensors.
+    pub placed: Vec<(String, u64, u64)>,
+}
+
+impl Layout {
+    pub fn new(data_start: u64) -> Self {
+        assert!(data_start > 8);
+        Layout {
+            data_start,
+            cursor: data_start,
+            entries: Vec::new(),
+            fillers: 0,
+            placed: Vec::new(),
+        }
+    }
+
+    /// Places tensor `name` at absolute file offset `at`, `len` bytes.
+    pub fn place(&mut self, name: &str, at: u64, len: u64) -> &mut Self {
+        assert!(
+            at >= self.cursor,
+            "{name} at {at} overlaps what is placed before (cursor {})",
+            self.cursor
+        );
+        if at > self.cursor {
+            let fname = format!("zz_filler_{}_{:02}", self.data_start, self.fillers);
+            self.fillers += 1;
+            let c = self.cursor;
+            self.push(&fname, c, at - c);
+        }
+        self.push(name, at, len);
+        self.placed.push((name.to_string(), at, len));
+        self
+    }
+
+    fn push(&mut self, name: &str, at: u64, len: u64) {
+        let b = at - self.data_start;
+        self.entries.push(Entry::u8(name, b, b + len));
+        self.cursor = at + len;
+    }
+
+    /// Pads with a filler so the file ends at absolute `size`.
+    pub fn end_at(&mut self, size: u64) -> &mut Self {
+        assert!(size >= self.cursor);
+        if size > self.cursor {
+            let fname = format!("zz_filler_{}_{:02}", self.data_start, self.fillers);
+            self.fillers += 1;
+            let c = self.cursor;
+            self.push(&fname, c, size - c);
+        }
+        self
+    }
+
+    /// Writes the shard with content from `seed`; returns the whole file.
+    pub fn write(&self, path: &Path, seed: u64) -> Vec<u8> {
+        let header = pad_json(&header_json(&self.entries), (self.data_start - 8) as usize);
+        let data = content(seed, (self.cursor - self.data_start) as usize);
+        let bytes = container_bytes(&header, &data);
+        assert_eq!(bytes.len() as u64, self.cursor);
+        std::fs::write(path, &bytes).expect("write shard");
+        bytes
+    }
+}
+
+/// The built `weightstream` binary.
+pub fn bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_weightstream"))
+}
+
+/// Runs the binary with `args`; logging at its default level.
+pub fn run(args: &[&std::ffi::OsStr]) -> Output {
+    Command::new(bin())
+        .args(args)
+        .env_remove("WEIGHTSTREAM_LOG")
+        .output()
+        .expect("run the weightstream binary")
+}
+
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Whether the filesystem holding `dir` accepts `open(O_DIRECT)` and an
+/// aligned O_DIRECT read (checked with plain std calls into a page-aligned
+/// buffer, independently of the crate's read path).
+pub fn fs_reads_o_direct(dir: &Path) -> bool {
+    use std::os::unix::fs::{FileExt, OpenOptionsExt};
+    let probe = dir.join(".odirect-probe");
+    if std::fs::write(&probe, vec![7u8; 8192]).is_err() {
+        return false;
+    }
+    let arena = weightstream::Arena::new(weightstream::SlotSpec::new(4096), 1).expect("arena");
+    let mut slot = arena.take().expect("one slot");
+    let ok = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(rustix::fs::OFlags::DIRECT.bits() as i32)
+        .open(&probe)
+        .and_then(|f| f.read_at(&mut slot.as_bytes_mut()[..4096], 4096))
+        .map(|n| n == 4096 && slot.as_bytes()[..4096].iter().all(|&b| b == 7))
+        .unwrap_or(false);
+    let _ = std::fs::remove_file(&probe);
+    ok
+}
