@@ -129,11 +129,9 @@ impl Arena {
             return Err(Error::Config("an arena needs at least one slot".into()));
         }
         let slot_len = spec.slot_len();
-        let len = slot_len.checked_mul(count).ok_or_else(|| {
-            Error::Config(format!(
-                "{count} slots of {slot_len} bytes overflow the address space"
-            ))
-        })?;
+        let len = slot_len
+            .checked_mul(count)
+            .ok_or_else(|| Error::Config(format!("{count} slots of {slot_len} bytes overflow the address space")))?;
         // SAFETY: a fresh anonymous private mapping at an address of the
         // kernel's choosing aliases no existing memory.
         let ptr = unsafe {

@@ -26,7 +26,21 @@ pub struct ShardInfo {
     pub path: PathBuf,
     /// The file name as listed in its directory.
     pub name: String,
+    /// The path as listed (before resolving a link).
+    pub listed: PathBuf,
     pub header: ShardHeader,
+}
+
+impl ShardInfo {
+    /// The shard as the user sees it: the listed path, and the file it
+    /// resolves to when that differs.
+    pub fn describe(&self) -> String {
+        if self.listed == self.path {
+            self.listed.display().to_string()
+        } else {
+            format!("{} (-> {})", self.listed.display(), self.path.display())
+        }
+    }
 }
 
 /// Where one tensor's payload lives.
@@ -75,7 +89,7 @@ pub(crate) mod libc_flags {
 
 /// The `*.safetensors` files of a directory, sorted by name, each resolved to
 /// the file it names (Hugging Face caches keep shards as links to blobs).
-pub fn list_shards(dir: &Path) -> Result<Vec<(String, PathBuf)>> {
+pub fn list_shards(dir: &Path) -> Result<Vec<(String, PathBuf, PathBuf)>> {
     let rd = std::fs::read_dir(dir).map_err(|e| Error::io(dir, "list model directory", e))?;
     let mut out = Vec::new();
     for entry in rd {
@@ -84,12 +98,12 @@ pub fn list_shards(dir: &Path) -> Result<Vec<(String, PathBuf)>> {
         if !name.ends_with(".safetensors") {
             continue;
         }
-        let path = entry.path();
-        let ft = entry.file_type().map_err(|e| Error::io(&path, "stat", e))?;
+        let listed = entry.path();
+        let ft = entry.file_type().map_err(|e| Error::io(&listed, "stat", e))?;
         let path = if ft.is_symlink() {
-            std::fs::canonicalize(&path).map_err(|e| Error::io(&path, "resolve link", e))?
+            std::fs::canonicalize(&listed).map_err(|e| Error::io(&listed, "resolve link", e))?
         } else {
-            path
+            listed.clone()
         };
         if !std::fs::metadata(&path)
             .map_err(|e| Error::io(&path, "stat", e))?
@@ -97,7 +111,7 @@ pub fn list_shards(dir: &Path) -> Result<Vec<(String, PathBuf)>> {
         {
             continue;
         }
-        out.push((name, path));
+        out.push((name, listed, path));
     }
     out.sort();
     Ok(out)
@@ -107,58 +121,51 @@ impl Catalog {
     /// Builds the catalog of `dir` from already opened and validated shards.
     pub fn new(dir: &Path, shards: Vec<ShardInfo>) -> Result<Self> {
         let index = read_index(dir)?;
-        let mut tensors: Vec<TensorRef> = Vec::new();
-        let mut by_name: HashMap<String, usize> = HashMap::new();
+        // Every holder of every name first, so the index can pick any of them.
+        let mut holders: HashMap<&str, Vec<(usize, &crate::container::TensorEntry)>> = HashMap::new();
         for (si, shard) in shards.iter().enumerate() {
             for t in &shard.header.tensors {
-                let r = TensorRef {
-                    name: t.name.clone(),
-                    shard: si,
-                    offset: shard.header.data_start + t.begin,
-                    len: t.len(),
-                    dtype: t.dtype,
-                    shape: t.shape.clone(),
-                    index: 0,
-                };
-                match by_name.get(&t.name) {
-                    None => {
-                        by_name.insert(t.name.clone(), tensors.len());
-                        tensors.push(r);
-                    }
-                    Some(&prev) => {
-                        let first = &shards[tensors[prev].shard];
-                        let chosen = index.as_ref().and_then(|m| m.get(&t.name));
-                        match chosen {
-                            Some(f) if *f == shard.name => tensors[prev] = r,
-                            Some(f) if *f == first.name => {}
-                            _ => {
-                                return Err(Error::catalog(
-                                    dir,
-                                    format!(
-                                        "tensor {:?} is in both {} and {}{}",
-                                        t.name,
-                                        first.path.display(),
-                                        shard.path.display(),
-                                        match chosen {
-                                            Some(f) =>
-                                                format!(" but {INDEX_FILE} maps it to {f:?}"),
-                                            None => format!(
-                                                " and {INDEX_FILE} does not say which to use"
-                                            ),
-                                        }
-                                    ),
-                                ))
-                            }
-                        }
-                    }
-                }
+                holders.entry(t.name.as_str()).or_default().push((si, t));
             }
         }
+        let mut tensors: Vec<TensorRef> = Vec::with_capacity(holders.len());
+        for (name, hs) in &holders {
+            let (si, t) = if hs.len() == 1 {
+                hs[0]
+            } else {
+                let chosen = index.as_ref().and_then(|m| m.get(*name));
+                match chosen.and_then(|f| hs.iter().find(|(si, _)| shards[*si].name == *f)) {
+                    Some(&h) => h,
+                    None => {
+                        let listed: Vec<String> = hs.iter().map(|(si, _)| shards[*si].describe()).collect();
+                        return Err(Error::catalog(
+                            dir,
+                            format!(
+                                "tensor {name:?} is in {}{}",
+                                listed.join(" and "),
+                                match chosen {
+                                    Some(f) => format!(", but {INDEX_FILE} maps it to {f:?}, which does not hold it"),
+                                    None => format!(", and no {INDEX_FILE} says which to use"),
+                                }
+                            ),
+                        ));
+                    }
+                }
+            };
+            let shard = &shards[si];
+            tensors.push(TensorRef {
+                name: t.name.clone(),
+                shard: si,
+                offset: shard.header.data_start + t.begin,
+                len: t.len(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                index: 0,
+            });
+        }
+        drop(holders);
         if let Some(map) = &index {
-            let mut missing: Vec<&String> = map
-                .values()
-                .filter(|f| !shards.iter().any(|s| &&s.name == f))
-                .collect();
+            let mut missing: Vec<&String> = map.values().filter(|f| !shards.iter().any(|s| &&s.name == f)).collect();
             missing.sort();
             missing.dedup();
             if !missing.is_empty() {
@@ -169,7 +176,7 @@ impl Catalog {
             }
         }
         tensors.sort_by(|a, b| a.name.cmp(&b.name));
-        by_name.clear();
+        let mut by_name = HashMap::with_capacity(tensors.len());
         for (i, t) in tensors.iter_mut().enumerate() {
             t.index = i;
             by_name.insert(t.name.clone(), i);
@@ -230,7 +237,6 @@ fn read_index(dir: &Path) -> Result<Option<HashMap<String, String>>> {
     struct Index {
         weight_map: HashMap<String, String>,
     }
-    let idx: Index = serde_json::from_str(&text)
-        .map_err(|e| Error::catalog(&path, format!("invalid index: {e}")))?;
+    let idx: Index = serde_json::from_str(&text).map_err(|e| Error::catalog(&path, format!("invalid index: {e}")))?;
     Ok(Some(idx.weight_map))
 }

@@ -89,13 +89,7 @@ pub(crate) fn on_result(c: &Chunk, res: i32, dio_align: u32) -> Next {
             ..*c
         };
         if c.direct && (n % dio_align.max(1) != 0) {
-            return Next::Fallback(
-                Chunk {
-                    direct: false,
-                    ..rest
-                },
-                FallbackCause::ShortDirect,
-            );
+            return Next::Fallback(Chunk { direct: false, ..rest }, FallbackCause::ShortDirect);
         }
         return Next::Again(rest);
     }
@@ -109,23 +103,14 @@ pub(crate) fn on_result(c: &Chunk, res: i32, dio_align: u32) -> Next {
         } else {
             FallbackCause::DirectError
         };
-        return Next::Fallback(
-            Chunk {
-                direct: false,
-                ..*c
-            },
-            cause,
-        );
+        return Next::Fallback(Chunk { direct: false, ..*c }, cause);
     }
     Next::Fail { errno }
 }
 
 /// Bytes of the payload `[pad, pad + len)` that chunk `c` carries.
 pub(crate) fn payload_bytes(c: &Chunk, pad: usize, len: usize) -> u64 {
-    let (a, b) = (
-        c.slot_off.max(pad),
-        (c.slot_off + c.len as usize).min(pad + len),
-    );
+    let (a, b) = (c.slot_off.max(pad), (c.slot_off + c.len as usize).min(pad + len));
     b.saturating_sub(a) as u64
 }
 
@@ -225,15 +210,10 @@ mod tests {
         );
         assert_eq!(
             on_result(&c, -libc::ECANCELED, 512),
-            Next::Fail {
-                errno: libc::ECANCELED
-            }
+            Next::Fail { errno: libc::ECANCELED }
         );
         let b = Chunk { direct: false, ..c };
-        assert_eq!(
-            on_result(&b, -libc::EIO, 512),
-            Next::Fail { errno: libc::EIO }
-        );
+        assert_eq!(on_result(&b, -libc::EIO, 512), Next::Fail { errno: libc::EIO });
         assert_eq!(
             on_result(&b, 10, 512),
             Next::Again(Chunk {

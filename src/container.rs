@@ -62,10 +62,7 @@ pub struct ShardHeader {
 impl ShardHeader {
     /// Reads and validates the header of an open shard.
     pub fn read(path: &Path, file: &File) -> Result<Self> {
-        let size = file
-            .metadata()
-            .map_err(|e| Error::io(path, "fstat", e))?
-            .len();
+        let size = file.metadata().map_err(|e| Error::io(path, "fstat", e))?.len();
         let header_err = |cause| Error::Header {
             path: path.to_path_buf(),
             cause,
@@ -115,10 +112,7 @@ fn parse_raw(raw: Vec<u8>, size: u64) -> Result<ShardHeader, HeaderError> {
             size: size.min(raw.len() as u64),
         });
     }
-    let n = check_length(
-        u64::from_le_bytes(raw[..8].try_into().expect("8 bytes")),
-        size,
-    )?;
+    let n = check_length(u64::from_le_bytes(raw[..8].try_into().expect("8 bytes")), size)?;
     if raw.len() as u64 != 8 + n {
         return Err(HeaderError::LengthPastEof {
             len: n,
@@ -130,8 +124,7 @@ fn parse_raw(raw: Vec<u8>, size: u64) -> Result<ShardHeader, HeaderError> {
         return Err(HeaderError::NotAnObject { first: body[0] });
     }
     let text = std::str::from_utf8(body).map_err(|e| HeaderError::Utf8(e.to_string()))?;
-    let meta: Metadata =
-        serde_json::from_str(text).map_err(|e| HeaderError::Invalid(e.to_string()))?;
+    let meta: Metadata = serde_json::from_str(text).map_err(|e| HeaderError::Invalid(e.to_string()))?;
     let data_len = meta.data_len() as u64;
     let expected = (8 + n).saturating_add(data_len);
     if expected != size {
@@ -146,9 +139,7 @@ fn parse_raw(raw: Vec<u8>, size: u64) -> Result<ShardHeader, HeaderError> {
         .offset_keys()
         .into_iter()
         .map(|name| {
-            let info = meta
-                .info(&name)
-                .expect("offset_keys names come from the table");
+            let info = meta.info(&name).expect("offset_keys names come from the table");
             TensorEntry {
                 dtype: info.dtype,
                 shape: info.shape.clone(),
@@ -211,25 +202,15 @@ mod tests {
         let h = r#"{"b":{"dtype":"U8","shape":[3],"data_offsets":[4,7]},"a":{"dtype":"F16","shape":[2],"data_offsets":[0,4]}} "#;
         let s = parse(h, 7).unwrap();
         assert_eq!(s.data_start, 8 + h.len() as u64);
-        let names: Vec<_> = s
-            .tensors
-            .iter()
-            .map(|t| (t.name.as_str(), t.begin, t.end))
-            .collect();
+        let names: Vec<_> = s.tensors.iter().map(|t| (t.name.as_str(), t.begin, t.end)).collect();
         assert_eq!(names, [("a", 0, 4), ("b", 4, 7)]);
     }
 
     #[test]
     fn refusals() {
         let ok = r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#;
-        assert!(matches!(
-            parse(ok, 3),
-            Err(HeaderError::SizeMismatch { .. })
-        ));
-        assert!(matches!(
-            parse(ok, 5),
-            Err(HeaderError::SizeMismatch { .. })
-        ));
+        assert!(matches!(parse(ok, 3), Err(HeaderError::SizeMismatch { .. })));
+        assert!(matches!(parse(ok, 5), Err(HeaderError::SizeMismatch { .. })));
         assert!(matches!(
             parse(&format!(" {ok}"), 4),
             Err(HeaderError::NotAnObject { first: b' ' })
@@ -242,10 +223,7 @@ mod tests {
         assert!(matches!(parse(gap, 5), Err(HeaderError::Invalid(_))));
         let shape = r#"{"a":{"dtype":"F32","shape":[4],"data_offsets":[0,4]}}"#;
         assert!(matches!(parse(shape, 4), Err(HeaderError::Invalid(_))));
-        assert!(matches!(
-            parse("{not json", 0),
-            Err(HeaderError::Invalid(_))
-        ));
+        assert!(matches!(parse("{not json", 0), Err(HeaderError::Invalid(_))));
         let mut raw = 3u64.to_le_bytes().to_vec();
         raw.extend_from_slice(&[b'{', 0xff, b'}']);
         assert!(matches!(parse_raw(raw, 11), Err(HeaderError::Utf8(_))));

@@ -104,37 +104,21 @@ pub(crate) fn plan(path: &Path, file_size: u64, tensor: &TensorRef, slot: &Slot)
         });
     }
     let spec = slot.spec();
-    Window::plan(
-        tensor.offset,
-        tensor.len,
-        file_size,
-        spec.align as u64,
-        spec.tail_room,
-    )
-    .map_err(|e| match e {
+    Window::plan(tensor.offset, tensor.len, file_size, spec.align as u64, spec.tail_room).map_err(|e| match e {
         WindowError::OutOfFile { start, end, size } => Error::OutOfRange {
             path: path.to_path_buf(),
             start,
             end,
             size,
         },
-        WindowError::BadAlign(a) => {
-            Error::Config(format!("slot alignment {a} is not a power of two"))
-        }
+        WindowError::BadAlign(a) => Error::Config(format!("slot alignment {a} is not a power of two")),
     })
 }
 
 /// Why this read cannot take the direct path, if it cannot.
-pub(crate) fn direct_refusal(
-    file: &ShardFile,
-    w: &Window,
-    slot: &Slot,
-) -> Option<(FallbackCause, String)> {
+pub(crate) fn direct_refusal(file: &ShardFile, w: &Window, slot: &Slot) -> Option<(FallbackCause, String)> {
     if file.direct.is_none() {
-        let why = file
-            .direct_refused
-            .as_deref()
-            .unwrap_or("no O_DIRECT descriptor");
+        let why = file.direct_refused.as_deref().unwrap_or("no O_DIRECT descriptor");
         return Some((FallbackCause::DirectOpenRefused, why.to_string()));
     }
     let mem = file.topo.dio_mem_align as usize;
@@ -155,10 +139,7 @@ pub(crate) fn direct_refusal(
     if w.direct == 0 {
         return Some((
             FallbackCause::NoBulk,
-            format!(
-                "payload of {} bytes holds no whole {have}-byte block",
-                w.len
-            ),
+            format!("payload of {} bytes holds no whole {have}-byte block", w.len),
         ));
     }
     None
@@ -178,6 +159,9 @@ pub(crate) fn read_sync(
     let c = &drive.counters;
     let mut w = w;
     let mut direct_ok = false;
+    if w.len == 0 {
+        return Ok(Loaded::new(slot, w.pad, 0));
+    }
     if mode == DirectMode::Off {
         w = w.buffered();
     } else if let Some((cause, why)) = direct_refusal(file, &w, &slot) {
@@ -189,10 +173,7 @@ pub(crate) fn read_sync(
         match pread_full(dfile, buf, w.start) {
             Ok(n) if n == w.direct => direct_ok = true,
             Ok(n) => {
-                let why = format!(
-                    "O_DIRECT read of {} bytes at {} returned {n}",
-                    w.direct, w.start
-                );
+                let why = format!("O_DIRECT read of {} bytes at {} returned {n}", w.direct, w.start);
                 c.fallback(&drive.device, path, FallbackCause::ShortDirect, &why);
                 w = w.buffered();
             }
@@ -212,8 +193,7 @@ pub(crate) fn read_sync(
         let at = w.tail_slot_offset();
         let buf = &mut slot.as_bytes_mut()[at..at + w.tail];
         let off = w.tail_file_offset();
-        let n = pread_full(&file.buffered, buf, off)
-            .map_err(|e| Error::io(path, "buffered read", e))?;
+        let n = pread_full(&file.buffered, buf, off).map_err(|e| Error::io(path, "buffered read", e))?;
         if n < w.tail {
             return Err(Error::UnexpectedEof {
                 path: path.clone(),
@@ -255,10 +235,5 @@ pub(crate) fn pread_full(file: &File, buf: &mut [u8], off: u64) -> std::io::Resu
 /// per step and must not crowd out the engine's memory.
 pub(crate) fn drop_pages(file: &File, off: u64, len: u64) {
     // Advisory: a failure costs only cache, never bytes.
-    let _ = rustix::fs::fadvise(
-        file,
-        off,
-        std::num::NonZeroU64::new(len),
-        rustix::fs::Advice::DontNeed,
-    );
+    let _ = rustix::fs::fadvise(file, off, std::num::NonZeroU64::new(len), rustix::fs::Advice::DontNeed);
 }

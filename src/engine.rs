@@ -167,14 +167,7 @@ impl Engine {
                 let dev_max = model
                     .files()
                     .iter()
-                    .find(|f| {
-                        f.drive
-                            == model
-                                .drives()
-                                .iter()
-                                .position(|x| x.dev == d.dev)
-                                .unwrap_or(0)
-                    })
+                    .find(|f| f.drive == model.drives().iter().position(|x| x.dev == d.dev).unwrap_or(0))
                     .and_then(|f| topology::max_request_bytes(f.topo.dev_major, f.topo.dev_minor));
                 let c = config
                     .chunk
@@ -236,9 +229,8 @@ impl Engine {
         Ok(Engine {
             model: model.clone(),
             backend: Backend::Pread,
-            backend_reason: reason.or_else(|| {
-                (config.backend == BackendChoice::Pread).then(|| "chosen by configuration".into())
-            }),
+            backend_reason: reason
+                .or_else(|| (config.backend == BackendChoice::Pread).then(|| "chosen by configuration".into())),
             drives,
             fixed_files: Feature {
                 enabled: false,
@@ -330,8 +322,7 @@ impl Engine {
                 Ok(Err(e)) => {
                     let why = if e.raw_os_error() == Some(libc::ENOMEM) {
                         let (soft, _) = memlock_limit();
-                        let need_kib =
-                            ((arena.len() * slot_len).div_ceil(1024) * self.drives.len()) as u64;
+                        let need_kib = ((arena.len() * slot_len).div_ceil(1024) * self.drives.len()) as u64;
                         format!(
                             "registering {} bytes failed with ENOMEM: RLIMIT_MEMLOCK is {}; raise it (`ulimit -l {}` or more, in KiB) or run with CAP_IPC_LOCK",
                             arena.len() * slot_len,
@@ -375,6 +366,13 @@ impl Engine {
         let drive = &self.model.drives()[file.drive];
         let c = &drive.counters;
         let mut w = direct::plan(&file.path, file.size, tensor, &slot)?;
+        if w.len == 0 {
+            return Ok(Ticket {
+                pad: w.pad,
+                len: 0,
+                req: Request::new(slot, 0),
+            });
+        }
         if self.model.direct_mode() == DirectMode::Off {
             w = w.buffered();
         } else if let Some((cause, why)) = direct::direct_refusal(file, &w, &slot) {
@@ -482,12 +480,7 @@ impl Drop for Engine {
 
 type RingStart = (Vec<(DriveIo, ring::RingSetup)>, Feature);
 
-fn start_rings(
-    model: &Model,
-    depth: usize,
-    config: &EngineConfig,
-    chunks: &[usize],
-) -> std::io::Result<RingStart> {
+fn start_rings(model: &Model, depth: usize, config: &EngineConfig, chunks: &[usize]) -> std::io::Result<RingStart> {
     let mut out: Vec<(DriveIo, ring::RingSetup)> = Vec::new();
     for (i, &chunk) in chunks.iter().enumerate() {
         let efd = rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC)?;
@@ -547,13 +540,8 @@ fn device_polls(model: &Model, i: usize) -> bool {
     let Some(f) = model.files().iter().find(|f| f.drive == i) else {
         return false;
     };
-    let p = format!(
-        "/sys/dev/block/{}:{}/queue/io_poll",
-        f.topo.dev_major, f.topo.dev_minor
-    );
-    std::fs::read_to_string(p)
-        .map(|s| s.trim() == "1")
-        .unwrap_or(false)
+    let p = format!("/sys/dev/block/{}:{}/queue/io_poll", f.topo.dev_major, f.topo.dev_minor);
+    std::fs::read_to_string(p).map(|s| s.trim() == "1").unwrap_or(false)
 }
 
 fn memlock_limit() -> (Option<u64>, Option<u64>) {

@@ -82,11 +82,7 @@ pub enum Error {
 }
 
 impl Error {
-    pub(crate) fn io(
-        path: impl Into<PathBuf>,
-        op: &'static str,
-        source: impl Into<std::io::Error>,
-    ) -> Self {
+    pub(crate) fn io(path: impl Into<PathBuf>, op: &'static str, source: impl Into<std::io::Error>) -> Self {
         Error::Io {
             path: path.into(),
             op,

@@ -269,9 +269,9 @@ mod loom_models {
     use loom::cell::UnsafeCell;
     use loom::thread;
 
-    /// A slot the "kernel" writes into: one byte per chunk.
+    /// A slot the "kernel" writes into: one byte (cell) per chunk.
     struct MockSlot {
-        bytes: UnsafeCell<[u8; 2]>,
+        bytes: [UnsafeCell<u8>; 2],
         freed: Arc<AtomicUsize>,
         kernel_busy: Arc<AtomicUsize>,
     }
@@ -297,7 +297,7 @@ mod loom_models {
         let kernel_busy = Arc::new(AtomicUsize::new(busy));
         (
             MockSlot {
-                bytes: UnsafeCell::new([0; 2]),
+                bytes: [UnsafeCell::new(0), UnsafeCell::new(0)],
                 freed: freed.clone(),
                 kernel_busy: kernel_busy.clone(),
             },
@@ -319,16 +319,16 @@ mod loom_models {
                     let req = req.clone();
                     let published = published.clone();
                     // The completer is handed the slot's address as the kernel is.
-                    let cell: *const UnsafeCell<[u8; 2]> = {
+                    let cell: *const UnsafeCell<u8> = {
                         let st = lock(&req.state);
-                        &st.slot.as_ref().unwrap().bytes as *const _
+                        &st.slot.as_ref().unwrap().bytes[i] as *const _
                     };
                     let cell = cell as usize;
                     thread::spawn(move || {
                         // SAFETY: the slot lives in `req`, which this thread keeps alive.
-                        let cell = unsafe { &*(cell as *const UnsafeCell<[u8; 2]>) };
+                        let cell = unsafe { &*(cell as *const UnsafeCell<u8>) };
                         // SAFETY: byte i is written only by completer i.
-                        cell.with_mut(|b| unsafe { (*b)[i] = i as u8 + 1 });
+                        cell.with_mut(|b| unsafe { *b = i as u8 + 1 });
                         if req.chunk_done() {
                             published.fetch_add(1, Ordering::Relaxed);
                         }
@@ -338,7 +338,7 @@ mod loom_models {
             match req.wait() {
                 Outcome::Ready(s) => {
                     // SAFETY: published: no completer writes any more.
-                    let b = s.bytes.with(|b| unsafe { *b });
+                    let b = [s.bytes[0].with(|b| unsafe { *b }), s.bytes[1].with(|b| unsafe { *b })];
                     assert_eq!(b, [1, 2]);
                 }
                 _ => panic!("expected the slot"),

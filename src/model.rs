@@ -91,35 +91,25 @@ impl Model {
         }
         let listed = catalog::list_shards(dir)?;
         if listed.is_empty() {
-            return Err(Error::catalog(
-                dir,
-                "no *.safetensors shards in this directory",
-            ));
+            return Err(Error::catalog(dir, "no *.safetensors shards in this directory"));
         }
         let mut shards = Vec::with_capacity(listed.len());
         let mut files = Vec::with_capacity(listed.len());
         let mut drives: Vec<Drive> = Vec::new();
-        for (name, path) in listed {
+        for (name, listed_path, path) in listed {
             let (buffered, header) = catalog::open_shard(&path)?;
-            let topo =
-                topology::probe(&path, &buffered).map_err(|e| Error::io(&path, "statx", e))?;
+            let topo = topology::probe(&path, &buffered).map_err(|e| Error::io(&path, "statx", e))?;
             let (direct, direct_refused) = if config.direct == DirectMode::Off {
                 (None, Some("direct I/O turned off".to_string()))
             } else if topo.statx_says_no_direct {
                 (
                     None,
-                    Some(format!(
-                        "statx reports no direct I/O support on {}",
-                        topo.fs_type
-                    )),
+                    Some(format!("statx reports no direct I/O support on {}", topo.fs_type)),
                 )
             } else {
                 match open_direct(&path) {
                     Ok(f) => (Some(f), None),
-                    Err(e) => (
-                        None,
-                        Some(format!("open(O_DIRECT) refused by {}: {e}", topo.fs_type)),
-                    ),
+                    Err(e) => (None, Some(format!("open(O_DIRECT) refused by {}: {e}", topo.fs_type))),
                 }
             };
             if config.direct == DirectMode::On {
@@ -160,7 +150,12 @@ impl Model {
                 topo,
                 drive,
             });
-            shards.push(ShardInfo { path, name, header });
+            shards.push(ShardInfo {
+                path,
+                listed: listed_path,
+                name,
+                header,
+            });
         }
         let catalog = Catalog::new(dir, shards)?;
         Ok(Model {
@@ -207,8 +202,7 @@ impl Model {
     /// A slot spec that holds the largest tensor whose name contains
     /// `filter` ("" for every tensor), aligned for every shard.
     pub fn slot_spec_for_largest(&self, filter: &str) -> SlotSpec {
-        SlotSpec::new(self.inner.catalog.largest(filter).unwrap_or(0).max(1) as usize)
-            .with_align(self.required_align())
+        SlotSpec::new(self.inner.catalog.largest(filter).unwrap_or(0).max(1) as usize).with_align(self.required_align())
     }
 
     /// Reads `tensor` into `slot` on the calling thread: the payload lands at
@@ -219,13 +213,7 @@ impl Model {
             .files
             .get(tensor.shard)
             .ok_or_else(|| Error::NoSuchTensor(tensor.name.clone()))?;
-        direct::read_sync(
-            file,
-            &self.inner.drives[file.drive],
-            tensor,
-            slot,
-            self.inner.direct,
-        )
+        direct::read_sync(file, &self.inner.drives[file.drive], tensor, slot, self.inner.direct)
     }
 
     /// A snapshot of the counters.
@@ -236,8 +224,7 @@ impl Model {
             .iter()
             .map(|d| {
                 let c = &d.counters;
-                let ld =
-                    |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+                let ld = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
                 DriveStats {
                     device: d.device.clone(),
                     mount: d.mount.clone(),

@@ -134,11 +134,7 @@ pub(crate) fn settle(mut job: Job, res: i32, model: &crate::Model, q: &DriveQueu
                 job.retries += 1;
                 if job.retries > MAX_RETRIES {
                     let e = std::io::Error::from_raw_os_error(-res);
-                    return finish(
-                        job,
-                        q,
-                        Some(Error::io(&file.path, "read (retries exhausted)", e)),
-                    );
+                    return finish(job, q, Some(Error::io(&file.path, "read (retries exhausted)", e)));
                 }
             }
             job.chunk = next;

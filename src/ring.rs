@@ -204,11 +204,7 @@ impl RingThread {
         loop {
             let (reads, controls, shutdown) = {
                 let mut j = lock(&self.q.jobs);
-                (
-                    std::mem::take(&mut j.reads),
-                    std::mem::take(&mut j.control),
-                    j.shutdown,
-                )
+                (std::mem::take(&mut j.reads), std::mem::take(&mut j.control), j.shutdown)
             };
             for c in controls {
                 self.control(c);
@@ -221,11 +217,7 @@ impl RingThread {
             }
             match self.ring.submit_and_wait(1) {
                 Ok(_) => {}
-                Err(e)
-                    if matches!(
-                        e.raw_os_error(),
-                        Some(libc::EINTR | libc::EAGAIN | libc::EBUSY)
-                    ) => {}
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR | libc::EAGAIN | libc::EBUSY)) => {}
                 Err(e) => {
                     // Nothing in flight may be abandoned: the kernel may still
                     // write into those slots. Report, back off, and go on.
@@ -239,11 +231,7 @@ impl RingThread {
 
     fn control(&mut self, c: Control) {
         match c {
-            Control::RegisterBuffers {
-                first,
-                iovecs,
-                reply,
-            } => {
+            Control::RegisterBuffers { first, iovecs, reply } => {
                 let iov: Vec<libc::iovec> = iovecs
                     .iter()
                     .map(|&(base, len)| libc::iovec {
@@ -255,11 +243,7 @@ impl RingThread {
                 // kernel pins those pages for as long as they are registered,
                 // and a read names these buffers only for a slot of that
                 // arena, which it keeps alive until the completion is reaped.
-                let r = unsafe {
-                    self.ring
-                        .submitter()
-                        .register_buffers_update(first, &iov, None)
-                };
+                let r = unsafe { self.ring.submitter().register_buffers_update(first, &iov, None) };
                 let _ = reply.send(r);
             }
         }
@@ -297,13 +281,7 @@ impl RingThread {
             return self.pread_now(job);
         }
         let file = &self.model.files()[job.chunk.file as usize];
-        let fixed = self.fixed[job.chunk.file as usize].and_then(|(d, b)| {
-            if job.chunk.direct {
-                d
-            } else {
-                Some(b)
-            }
-        });
+        let fixed = self.fixed[job.chunk.file as usize].and_then(|(d, b)| if job.chunk.direct { d } else { Some(b) });
         let ptr = (job.target.base + job.chunk.slot_off) as *mut u8;
         macro_rules! read_entry {
             ($fd:expr) => {
@@ -378,10 +356,7 @@ impl RingThread {
             let idx = (ud & 0xffff_ffff) as usize;
             let gen = (ud >> 32) as u16;
             if self.generation.get(idx) != Some(&gen) || self.table[idx].is_none() {
-                tracing::error!(
-                    user_data = ud,
-                    "completion for no in-flight chunk (ignored)"
-                );
+                tracing::error!(user_data = ud, "completion for no in-flight chunk (ignored)");
                 continue;
             }
             let job = self.table[idx].take().expect("checked above");

@@ -79,13 +79,7 @@ pub struct DriveCounters {
 
 impl DriveCounters {
     /// Counts a fallback and logs it the first time this drive sees `cause`.
-    pub fn fallback(
-        &self,
-        drive: &str,
-        file: &Path,
-        cause: FallbackCause,
-        detail: &dyn std::fmt::Display,
-    ) {
+    pub fn fallback(&self, drive: &str, file: &Path, cause: FallbackCause, detail: &dyn std::fmt::Display) {
         let i = cause as usize;
         self.fallbacks[i].fetch_add(1, Relaxed);
         if !self.logged[i].swap(true, Relaxed) {

@@ -175,13 +175,8 @@ pub fn write_model(dir: &Path, spec: &SynthSpec) -> Result<Vec<PathBuf>> {
                 ),
             ),
         ]);
-        safetensors::serialize_to_file(mine, Some(meta), &path).map_err(|e| {
-            Error::io(
-                &path,
-                "write synthetic shard",
-                std::io::Error::other(e.to_string()),
-            )
-        })?;
+        safetensors::serialize_to_file(mine, Some(meta), &path)
+            .map_err(|e| Error::io(&path, "write synthetic shard", std::io::Error::other(e.to_string())))?;
         paths.push(path);
     }
     let index = serde_json::json!({
@@ -223,8 +218,7 @@ pub fn fill(seed: u64, name: &str, from: usize, buf: &mut [u8]) {
     let mut i = 0;
     while i < buf.len() {
         let pos = from + i;
-        let word = mix(key.wrapping_add(((pos / 8) as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)))
-            .to_le_bytes();
+        let word = mix(key.wrapping_add(((pos / 8) as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15))).to_le_bytes();
         let k = pos % 8;
         let n = (8 - k).min(buf.len() - i);
         buf[i..i + n].copy_from_slice(&word[k..k + n]);

@@ -72,8 +72,8 @@ pub fn probe(path: &Path, file: &File) -> std::io::Result<FileTopology> {
             source = AlignSource::BlockDevice;
         }
     }
-    let (mount, fs_type, source_name) = mount_of(path, major, minor)
-        .unwrap_or_else(|| (PathBuf::from("?"), "?".into(), "?".into()));
+    let (mount, fs_type, source_name) =
+        mount_of(path, major, minor).unwrap_or_else(|| (PathBuf::from("?"), "?".into(), "?".into()));
     let device = std::fs::read_link(&sys_dev)
         .ok()
         .and_then(|p| p.file_name().map(|s| s.to_string_lossy().into_owned()))
@@ -104,13 +104,7 @@ fn logical_block_size(sys_dev: &str) -> Option<u32> {
 /// the block layer issues without splitting).
 pub fn max_request_bytes(major: u32, minor: u32) -> Option<usize> {
     let sys_dev = format!("/sys/dev/block/{major}:{minor}");
-    let read = |p: String| {
-        std::fs::read_to_string(p)
-            .ok()?
-            .trim()
-            .parse::<usize>()
-            .ok()
-    };
+    let read = |p: String| std::fs::read_to_string(p).ok()?.trim().parse::<usize>().ok();
     read(format!("{sys_dev}/queue/max_sectors_kb"))
         .or_else(|| read(format!("{sys_dev}/../queue/max_sectors_kb")))
         .map(|kb| kb * 1024)
@@ -140,8 +134,7 @@ fn mount_of(path: &Path, major: u32, minor: u32) -> Option<(PathBuf, String, Str
         let better = match &best {
             None => true,
             Some((m, _, _, bm)) => {
-                (dev_match && !bm)
-                    || (dev_match == *bm && mount.as_os_str().len() >= m.as_os_str().len())
+                (dev_match && !bm) || (dev_match == *bm && mount.as_os_str().len() >= m.as_os_str().len())
             }
         };
         if better {
@@ -157,10 +150,7 @@ fn unescape_mountinfo(s: &str) -> String {
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
     while i < b.len() {
-        if b[i] == b'\\'
-            && i + 3 < b.len()
-            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
-        {
+        if b[i] == b'\\' && i + 3 < b.len() && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c)) {
             out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
             i += 4;
         } else {

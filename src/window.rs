@@ -49,13 +49,7 @@ impl Window {
     /// `tail_room` says the slot reserved room after the payload up to the
     /// next `align` boundary, so the last partial block may also be read with
     /// O_DIRECT when it lies wholly inside the file.
-    pub fn plan(
-        off: u64,
-        len: u64,
-        size: u64,
-        align: u64,
-        tail_room: bool,
-    ) -> Result<Self, WindowError> {
+    pub fn plan(off: u64, len: u64, size: u64, align: u64, tail_room: bool) -> Result<Self, WindowError> {
         if align == 0 || !align.is_power_of_two() {
             return Err(WindowError::BadAlign(align));
         }
@@ -71,6 +65,16 @@ impl Window {
         let pad = off & mask;
         let start = off - pad;
         let want = pad + len; // cannot overflow: want <= end - start <= size
+        if len == 0 {
+            // A 0-byte read is a no-op, whatever room the slot reserves.
+            return Ok(Window {
+                start,
+                pad: pad as usize,
+                len: 0,
+                direct: 0,
+                tail: 0,
+            });
+        }
         let wanted_direct = if tail_room {
             // round up; `want + mask` <= size + mask, which fits unless size is near u64::MAX
             want.checked_add(mask).map_or(want & !mask, |w| w & !mask)
@@ -181,14 +185,8 @@ mod tests {
             })
         );
         assert!(Window::plan(u64::MAX, 2, SIZE, 4096, false).is_err());
-        assert_eq!(
-            Window::plan(0, 1, SIZE, 3000, false),
-            Err(WindowError::BadAlign(3000))
-        );
-        assert_eq!(
-            Window::plan(0, 1, SIZE, 0, false),
-            Err(WindowError::BadAlign(0))
-        );
+        assert_eq!(Window::plan(0, 1, SIZE, 3000, false), Err(WindowError::BadAlign(3000)));
+        assert_eq!(Window::plan(0, 1, SIZE, 0, false), Err(WindowError::BadAlign(0)));
     }
 
     #[test]

@@ -332,8 +332,6 @@ fn shard_truncated_after_open_is_an_error_not_a_short_payload() {
 
 /// The CLI states each cause once (the error chain is not printed twice).
 #[test]
-#[ignore = "bug: src/error.rs Error::Io displays its `source` and also marks it #[source]; \
-            src/bin/weightstream.rs main() appends every source() again, so the errno text is printed twice"]
 fn cli_states_each_cause_once() {
     let tmp = common::tempdir();
     let dir = tmp.path().join("does-not-exist");

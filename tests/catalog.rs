@@ -310,9 +310,6 @@ fn index_decides_a_name_held_by_three_shards_first_or_second() {
 
 /// The index names one of the files that hold the name: the third one.
 #[test]
-#[ignore = "bug: src/catalog.rs Catalog::new resolves duplicates pairwise while scanning shards in order: at \
-            the 2nd holder the index (naming the 3rd) matches neither `first` nor `shard`, so it errors \
-            before the named shard is seen"]
 fn index_decides_a_name_held_by_three_shards_third() {
     name_in_three_shards(S3);
 }
@@ -321,8 +318,6 @@ fn index_decides_a_name_held_by_three_shards_third() {
 /// error about a duplicate must name the files as the user sees them in the
 /// model directory (the listed names), not only the blob hashes.
 #[test]
-#[ignore = "bug: src/catalog.rs Catalog::new duplicate-name error prints ShardInfo.path (the resolved blob) \
-            and not ShardInfo.name / the link in the model dir, so the user cannot tell which shards clash"]
 fn duplicate_in_symlinked_shards_names_the_listed_files() {
     let tmp = common::tempdir();
     let root = tmp.path();

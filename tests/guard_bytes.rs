@@ -301,18 +301,26 @@ fn one_read(fx: &Fixture, model: &Model, mode: DirectMode, fs: Fs, case: &Case, 
 
     // What the stats say.
     assert_eq!(d.bytes, case.len, "{ctx}: bytes counted {d:?}");
+    if case.len == 0 {
+        // A 0-byte read is a no-op: no I/O, nothing counted, no fallback.
+        assert_eq!(
+            (d.reads_direct, d.reads_buffered, d.fallbacks.len()),
+            (0, 0, 0),
+            "{ctx}: a 0-byte read did something {d:?}"
+        );
+        return;
+    }
     assert_eq!(
         d.reads_direct + d.reads_buffered,
         1,
         "{ctx}: one read counted once {d:?}"
     );
-    let known_zero_len_bug = case.len == 0 && room && w.pad != 0;
     let contract_direct = if case.len == 0 { 0 } else { w.direct };
     if mode == DirectMode::Off {
         assert_eq!(d.reads_direct, 0, "{ctx}: direct read with --direct off {d:?}");
         assert!(d.fallbacks.is_empty(), "{ctx}: off is not a fallback {d:?}");
         assert_eq!(d.bytes_buffered, case.len, "{ctx}: {d:?}");
-    } else if capable && !known_zero_len_bug {
+    } else if capable {
         if contract_direct > 0 {
             assert_eq!(
                 (d.reads_direct, d.fallbacks.len()),
@@ -445,8 +453,6 @@ fn guard_matrix_on_tmpfs() {
 /// FIELD-NOTES: "Reads of 0 bytes are no-ops". A zero-length tensor at an
 /// unaligned offset, read into a slot with tail room, must not issue I/O.
 #[test]
-#[ignore = "bug: a 0-byte tensor at an unaligned offset read into a tail_room slot does a whole-block \
-            O_DIRECT read (src/window.rs Window::plan rounds pad+0 up to one block; src/direct.rs read_sync issues it)"]
 fn zero_length_tensor_with_tail_room_does_no_io() {
     let tmp = common::tempdir();
     let fx = write_fixture(tmp.path());

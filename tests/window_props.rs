@@ -346,8 +346,6 @@ fn field_notes_examples_with_tail_room() {
 /// FIELD-NOTES: "Reads of 0 bytes are no-ops". A zero-length payload must
 /// plan no I/O at all, with or without tail room.
 #[test]
-#[ignore = "bug: Window::plan(off, 0, size, align, true) with off % align != 0 plans a whole-block O_DIRECT read \
-            (direct = align) for a 0-byte payload (src/window.rs, Window::plan, the tail_room round-up)"]
 fn zero_length_payload_reads_nothing() {
     for align in [512u64, 4096, 65536] {
         for off in [0u64, 1, 71, align - 1, align, align + 5, 3 * align + 100] {

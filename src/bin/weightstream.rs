@@ -101,9 +101,7 @@ impl EngineArgs {
 
 fn parse_bytes(s: &str) -> Result<u64, String> {
     let s = s.trim();
-    let split = s
-        .find(|c: char| !c.is_ascii_digit() && c != '.')
-        .unwrap_or(s.len());
+    let split = s.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
     let num: f64 = num
         .parse()
@@ -154,7 +152,11 @@ fn main() -> ExitCode {
             let mut msg = format!("weightstream: error: {e}");
             let mut src = std::error::Error::source(&*e);
             while let Some(s) = src {
-                msg.push_str(&format!(": {s}"));
+                // Messages that already state their cause are not repeated.
+                let cause = s.to_string();
+                if !msg.contains(&cause) {
+                    msg.push_str(&format!(": {cause}"));
+                }
                 src = s.source();
             }
             eprintln!("{msg}");
@@ -251,13 +253,7 @@ fn inspect(dir: PathBuf, json: bool) -> CliResult {
     Ok(())
 }
 
-fn digest(
-    dir: PathBuf,
-    names: Vec<String>,
-    direct: DirectMode,
-    args: &EngineArgs,
-    json: bool,
-) -> CliResult {
+fn digest(dir: PathBuf, names: Vec<String>, direct: DirectMode, args: &EngineArgs, json: bool) -> CliResult {
     let model = Model::open(ModelConfig::new(&dir).direct(direct))?;
     let cat = model.catalog();
     let mut chosen = Vec::new();
@@ -307,8 +303,7 @@ fn digest(
         }
     };
     if json {
-        let map: serde_json::Map<String, serde_json::Value> =
-            sums.into_iter().map(|(n, h)| (n, h.into())).collect();
+        let map: serde_json::Map<String, serde_json::Value> = sums.into_iter().map(|(n, h)| (n, h.into())).collect();
         println!(
             "{}",
             serde_json::to_string_pretty(&serde_json::json!({"tensors": map, "stats": stats}))?
