@@ -160,14 +160,12 @@ impl Engine {
     pub fn new(model: &Model, config: EngineConfig) -> Result<Self> {
         let depth = config.queue_depth.clamp(1, 4096);
         let align = model.required_align();
-        let chunks: Vec<usize> = model
-            .drives()
-            .iter()
-            .map(|d| {
+        let chunks: Vec<usize> = (0..model.drives().len())
+            .map(|i| {
                 let dev_max = model
                     .files()
                     .iter()
-                    .find(|f| f.drive == model.drives().iter().position(|x| x.dev == d.dev).unwrap_or(0))
+                    .find(|f| f.drive == i)
                     .and_then(|f| topology::max_request_bytes(f.topo.dev_major, f.topo.dev_minor));
                 let c = config
                     .chunk

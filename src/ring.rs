@@ -96,16 +96,17 @@ fn build(cfg: RingConfig) -> std::io::Result<(IoUring, String)> {
     let mut b = IoUring::builder();
     let mut flags = vec![];
     if cfg.sqpoll {
-        b.setup_sqpoll(50);
-        flags.push("sqpoll");
+        // The kernel's poller thread submits; task-run flags do not apply.
+        b.setup_sqpoll(50).setup_single_issuer();
+        flags.extend(["sqpoll", "single_issuer"]);
     } else {
         // DEFER_TASKRUN runs completions only when this thread enters the
         // kernel to wait: no interrupts of other work, no task_work storms.
-        b.setup_single_issuer().setup_defer_taskrun();
-        flags.extend(["single_issuer", "defer_taskrun"]);
+        b.setup_single_issuer().setup_defer_taskrun().setup_coop_taskrun();
+        flags.extend(["single_issuer", "defer_taskrun", "coop_taskrun"]);
     }
-    b.setup_coop_taskrun().setup_submit_all();
-    flags.extend(["coop_taskrun", "submit_all"]);
+    b.setup_submit_all();
+    flags.push("submit_all");
     if cfg.iopoll {
         b.setup_iopoll();
         flags.push("iopoll");

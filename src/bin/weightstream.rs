@@ -77,6 +77,12 @@ struct EngineArgs {
     /// Reads kept in flight (slots in the arena).
     #[arg(long, default_value_t = 8)]
     inflight: usize,
+    /// Kernel-side submission polling (a kernel thread per ring spins; opt-in).
+    #[arg(long)]
+    sqpoll: bool,
+    /// Completion polling, on drives whose queue/io_poll says they poll.
+    #[arg(long)]
+    iopoll: bool,
 }
 
 impl EngineArgs {
@@ -95,6 +101,8 @@ impl EngineArgs {
         if let Some(ch) = self.chunk {
             c.chunk = Some(ch as usize);
         }
+        c.sqpoll |= self.sqpoll;
+        c.iopoll |= self.iopoll;
         Ok(Some(c))
     }
 }
