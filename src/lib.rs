@@ -18,7 +18,9 @@
 compile_error!("weightstream is Linux-only: it needs O_DIRECT, statx(STATX_DIOALIGN) and io_uring");
 
 pub mod arena;
+pub mod bench;
 pub mod catalog;
+pub mod ceiling;
 mod chunk;
 pub mod container;
 pub mod direct;
@@ -26,6 +28,7 @@ pub mod engine;
 pub mod error;
 mod inflight;
 pub mod model;
+pub mod plot;
 mod pread;
 mod queue;
 mod ring;

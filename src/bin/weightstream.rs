@@ -1,13 +1,15 @@
 //! The `weightstream` command: inspect a model, digest its tensors through the
 //! direct read path, and a demo that shows the point in one command.
 
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
 use clap::{Parser, Subcommand};
 use sha2::{Digest, Sha256};
+use weightstream::bench::{Arm, BenchConfig};
+use weightstream::ceiling::CeilingConfig;
 use weightstream::synth::{self, SynthSpec};
 use weightstream::{Arena, DirectMode, Engine, EngineConfig, Model, ModelConfig};
 
@@ -44,6 +46,66 @@ enum Cmd {
         direct: DirectMode,
         #[command(flatten)]
         engine: EngineArgs,
+        #[arg(long)]
+        json: bool,
+    },
+    /// The device ceiling: sequential O_DIRECT io_uring reads of the files, one reader per drive, all at once (fio's --rw=read job).
+    Ceiling {
+        #[arg(required = true)]
+        paths: Vec<PathBuf>,
+        /// Bytes per read.
+        #[arg(long, default_value = "1MiB", value_parser = parse_bytes)]
+        bs: u64,
+        /// Reads in flight per drive.
+        #[arg(long, default_value_t = 16)]
+        qd: usize,
+        /// Stop after this many bytes per drive.
+        #[arg(long, value_parser = parse_bytes)]
+        bytes: Option<u64>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Write a synthetic MoE model (safetensors' own serializer; deterministic content from a seed).
+    Gen {
+        model_dir: PathBuf,
+        /// Approximate total size.
+        #[arg(long, default_value = "4GiB", value_parser = parse_bytes)]
+        size: u64,
+        #[arg(long, default_value_t = 8)]
+        layers: usize,
+        /// Experts per layer (default: from --size).
+        #[arg(long)]
+        experts: Option<usize>,
+        /// Bytes of each expert projection (gate, up, down).
+        #[arg(long, default_value = "19MiB", value_parser = parse_bytes)]
+        expert_bytes: u64,
+        #[arg(long, default_value_t = 4)]
+        shards: usize,
+        #[arg(long, default_value_t = 0x5eed)]
+        seed: u64,
+    },
+    /// Read every expert in a seeded random order through several arms, interleaved, cold cache; ratios to the ceiling.
+    Bench {
+        model_dir: PathBuf,
+        /// Arms, in the order they run each round.
+        #[arg(long, default_value = "ceiling,engine,pread,buffered,mmap")]
+        arms: String,
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        /// Reads in flight (1 = one expert at a time, decode-like).
+        #[arg(long, default_value_t = 8)]
+        concurrency: usize,
+        /// Order seed.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Tensors whose name contains this.
+        #[arg(long, default_value = ".experts.")]
+        filter: String,
+        #[command(flatten)]
+        engine: EngineArgs,
+        /// Write a bar chart of GB/s per arm (SVG).
+        #[arg(long)]
+        plot: Option<PathBuf>,
         #[arg(long)]
         json: bool,
     },
@@ -152,6 +214,33 @@ fn main() -> ExitCode {
             engine,
             json,
         } => digest(model_dir, tensors, direct, &engine, json),
+        Cmd::Ceiling {
+            paths,
+            bs,
+            qd,
+            bytes,
+            json,
+        } => ceiling_cmd(paths, bs, qd, bytes, json),
+        Cmd::Gen {
+            model_dir,
+            size,
+            layers,
+            experts,
+            expert_bytes,
+            shards,
+            seed,
+        } => gen(model_dir, size, layers, experts, expert_bytes, shards, seed),
+        Cmd::Bench {
+            model_dir,
+            arms,
+            runs,
+            concurrency,
+            seed,
+            filter,
+            engine,
+            plot,
+            json,
+        } => bench_cmd(model_dir, &arms, runs, concurrency, seed, filter, &engine, plot, json),
         Cmd::Demo { dir, size, keep } => demo(dir, size, keep),
     };
     match r {
@@ -325,6 +414,160 @@ fn digest(dir: PathBuf, names: Vec<String>, direct: DirectMode, args: &EngineArg
     Ok(())
 }
 
+fn ceiling_cmd(paths: Vec<PathBuf>, bs: u64, qd: usize, bytes: Option<u64>, json: bool) -> CliResult {
+    let cfg = CeilingConfig {
+        bs: bs as usize,
+        qd,
+        bytes,
+    };
+    let r = weightstream::ceiling::measure(&paths, &cfg)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+        return Ok(());
+    }
+    for d in &r.drives {
+        println!(
+            "drive {}: {} file(s), {:.3} GB in {:.2}s = {:.3} GB/s",
+            d.device,
+            d.files.len(),
+            d.bytes as f64 / 1e9,
+            d.seconds,
+            d.gbps
+        );
+    }
+    println!(
+        "total: {:.3} GB in {:.2}s = {:.3} GB/s (bs {bs}, qd {qd} per drive), CPU {:.3} s/GB",
+        r.bytes as f64 / 1e9,
+        r.seconds,
+        r.gbps,
+        r.cpu_seconds / (r.bytes as f64 / 1e9).max(1e-12)
+    );
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gen(
+    dir: PathBuf,
+    size: u64,
+    layers: usize,
+    experts: Option<usize>,
+    expert_bytes: u64,
+    shards: usize,
+    seed: u64,
+) -> CliResult {
+    let mut spec = SynthSpec::sized(size, expert_bytes as usize, layers.max(1), shards.max(1));
+    if let Some(e) = experts {
+        spec.experts = e.max(1);
+    }
+    spec.seed = seed;
+    let t0 = Instant::now();
+    let paths = synth::write_model(&dir, &spec)?;
+    println!(
+        "wrote {}: {} layers x {} experts x 3 projections of {} bytes, {} shard(s), {:.3} GB of tensors in {:.1}s",
+        dir.display(),
+        spec.layers,
+        spec.experts,
+        spec.tensors()
+            .iter()
+            .find(|t| t.name.contains(".experts."))
+            .map_or(0, |t| t.len()),
+        paths.len(),
+        spec.total_bytes() as f64 / 1e9,
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn bench_cmd(
+    dir: PathBuf,
+    arms: &str,
+    runs: usize,
+    concurrency: usize,
+    seed: u64,
+    filter: String,
+    eargs: &EngineArgs,
+    plot: Option<PathBuf>,
+    json: bool,
+) -> CliResult {
+    let model = Model::open(ModelConfig::new(&dir))?;
+    let engine = eargs
+        .config()?
+        .ok_or("bench: --backend sync is not an arm; use --arms")?;
+    let cfg = BenchConfig {
+        arms: Arm::parse_list(arms)?,
+        runs,
+        concurrency,
+        seed,
+        filter,
+        engine,
+        ceiling: CeilingConfig::default(),
+    };
+    let show = !json && std::io::stderr().is_terminal();
+    let started = Instant::now();
+    let mut progress = |arm: Arm, run: usize, f: f64| {
+        if show && started.elapsed().as_secs_f64() > 1.0 {
+            let w = 30;
+            let k = (f * w as f64) as usize;
+            eprint!(
+                "\r{:>8} run {}/{} [{}{}] {:>3.0}%",
+                arm.name(),
+                run + 1,
+                runs.max(1),
+                "#".repeat(k),
+                " ".repeat(w - k),
+                f * 100.0
+            );
+            if f >= 1.0 {
+                eprint!("\r{}\r", " ".repeat(60));
+            }
+        }
+    };
+    let r = weightstream::bench::run(&model, &cfg, &mut progress)?;
+    if let Some(p) = &plot {
+        let bars: Vec<(String, f64)> = r.arms.iter().map(|(n, a)| (n.clone(), a.gbps)).collect();
+        let title = format!(
+            "{} experts, concurrency {}, median of {} runs; ceiling {:.2} GB/s",
+            r.tensors, r.concurrency, r.runs, r.ceiling_gbps
+        );
+        std::fs::write(
+            p,
+            weightstream::plot::bars_svg(&title, "GB/s", &bars, Some(r.ceiling_gbps)),
+        )?;
+    }
+    if json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+        return Ok(());
+    }
+    println!(
+        "{} tensors, {:.3} GB per run, concurrency {}, median of {} interleaved run(s); ceiling {:.3} GB/s",
+        r.tensors,
+        r.bytes_per_run as f64 / 1e9,
+        r.concurrency,
+        r.runs,
+        r.ceiling_gbps
+    );
+    println!(
+        "{:>9} {:>8} {:>15} {:>6} {:>9} {:>8} {:>8} {:>12}",
+        "arm", "GB/s", "min-max", "ratio", "CPU s/GB", "p50 ms", "p99 ms", "cache grow"
+    );
+    for (n, a) in &r.arms {
+        let ms = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}"));
+        println!(
+            "{:>9} {:>8.3} {:>15} {:>6.3} {:>9.3} {:>8} {:>8} {:>10.1}MB",
+            n,
+            a.gbps,
+            format!("{:.3}-{:.3}", a.gbps_min, a.gbps_max),
+            a.ratio,
+            a.cpu_s_per_gb,
+            ms(a.p50_ms),
+            ms(a.p99_ms),
+            a.cache_growth_bytes as f64 / 1e6
+        );
+    }
+    Ok(())
+}
+
 fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
@@ -389,6 +632,29 @@ fn demo(dir: Option<PathBuf>, size: u64, keep: bool) -> CliResult {
         println!(
             "drive {} ({}): {} reads direct, {} buffered; {} bytes direct, {} buffered (sub-block tails); fallbacks {:?}",
             d.device, d.fs_type, d.reads_direct, d.reads_buffered, d.bytes_direct, d.bytes_buffered, d.fallbacks
+        );
+    }
+    // The point in one line: a short interleaved bench on the same files.
+    let cfg = BenchConfig {
+        arms: vec![Arm::Ceiling, Arm::Engine, Arm::Buffered],
+        runs: 1,
+        ..BenchConfig::default()
+    };
+    let r = weightstream::bench::run(&model, &cfg, &mut |_, _, _| {})?;
+    if let (Some(e), Some(b)) = (r.arm("engine"), r.arm("buffered")) {
+        println!(
+            "headline (concurrency {}, cold cache, 1 run): engine {:.2} GB/s = {:.2} x the device ceiling ({:.2} GB/s, measured now), \
+             {:.2} x buffered pread+copy ({:.2} GB/s); CPU {:.3} vs {:.3} s/GB; page cache grew {:.0} MB vs {:.0} MB",
+            r.concurrency,
+            e.gbps,
+            e.ratio,
+            r.ceiling_gbps,
+            e.gbps / b.gbps.max(1e-12),
+            b.gbps,
+            e.cpu_s_per_gb,
+            b.cpu_s_per_gb,
+            e.cache_growth_bytes as f64 / 1e6,
+            b.cache_growth_bytes as f64 / 1e6
         );
     }
     if keep {

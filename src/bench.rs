@@ -1,0 +1,517 @@
+//! `weightstream bench`: read every expert of a model in a seeded random
+//! order (decode-like), through several arms, interleaved A B C A B C, and
+//! state each as a ratio to the device ceiling measured in the same run.
+//!
+//! Arms:
+//! - `ceiling`: the ceiling reader (sequential O_DIRECT io_uring) on the
+//!   model's shard files: what the drives can do;
+//! - `engine`: weightstream with io_uring;
+//! - `pread`: weightstream's pread backend;
+//! - `buffered`: plain buffered `pread` into a heap buffer, then a copy into
+//!   the slot: what most loaders do;
+//! - `mmap`: map the shards, copy each tensor into the slot: what the
+//!   safetensors ecosystem does.
+//!
+//! Cold cache before every arm: O_DIRECT arms need none; buffered and mmap
+//! arms drop the files' pages first (`posix_fadvise(DONTNEED)`) and check by
+//! sampling with `RWF_NOWAIT` reads that the eviction took.
+
+use std::collections::VecDeque;
+use std::io::IoSliceMut;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::arena::{Arena, SlotSpec};
+use crate::catalog::TensorRef;
+use crate::ceiling::{self, process_cpu_seconds, CeilingConfig};
+use crate::engine::{BackendChoice, Engine, EngineConfig};
+use crate::error::{Error, Result};
+use crate::Model;
+
+/// One way of reading the experts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Arm {
+    Ceiling,
+    Engine,
+    Pread,
+    Buffered,
+    Mmap,
+}
+
+impl Arm {
+    pub fn name(self) -> &'static str {
+        match self {
+            Arm::Ceiling => "ceiling",
+            Arm::Engine => "engine",
+            Arm::Pread => "pread",
+            Arm::Buffered => "buffered",
+            Arm::Mmap => "mmap",
+        }
+    }
+
+    /// Parses `ceiling,engine,...`.
+    pub fn parse_list(s: &str) -> Result<Vec<Arm>> {
+        s.split([',', ';'])
+            .map(str::trim)
+            .filter(|a| !a.is_empty())
+            .map(|a| match a.to_ascii_lowercase().as_str() {
+                "ceiling" => Ok(Arm::Ceiling),
+                "engine" | "uring" => Ok(Arm::Engine),
+                "pread" => Ok(Arm::Pread),
+                "buffered" => Ok(Arm::Buffered),
+                "mmap" => Ok(Arm::Mmap),
+                other => Err(Error::Config(format!(
+                    "arm {other:?}: expected ceiling, engine, pread, buffered or mmap"
+                ))),
+            })
+            .collect()
+    }
+}
+
+/// How to bench.
+#[derive(Debug, Clone)]
+pub struct BenchConfig {
+    pub arms: Vec<Arm>,
+    pub runs: usize,
+    /// Reads kept in flight (1 = one expert at a time, decode-like).
+    pub concurrency: usize,
+    pub seed: u64,
+    /// Tensors whose name contains this are read (default: experts).
+    pub filter: String,
+    pub engine: EngineConfig,
+    pub ceiling: CeilingConfig,
+}
+
+impl Default for BenchConfig {
+    fn default() -> Self {
+        BenchConfig {
+            arms: vec![Arm::Ceiling, Arm::Engine, Arm::Pread, Arm::Buffered, Arm::Mmap],
+            runs: 3,
+            concurrency: 8,
+            seed: 1,
+            filter: ".experts.".into(),
+            engine: EngineConfig::default(),
+            ceiling: CeilingConfig::default(),
+        }
+    }
+}
+
+/// One run of one arm. GB are 10^9 bytes.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunResult {
+    pub bytes: u64,
+    pub seconds: f64,
+    pub gbps: f64,
+    pub cpu_s: f64,
+    pub cpu_s_per_gb: f64,
+    pub p50_ms: Option<f64>,
+    pub p99_ms: Option<f64>,
+    /// Growth of `Cached` in /proc/meminfo during the run.
+    pub cache_growth_bytes: i64,
+    /// For arms that need a cold cache: whether the eviction before the run
+    /// took (sampled pages no longer resident).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cold: Option<bool>,
+}
+
+/// Medians over the runs of one arm.
+#[derive(Debug, Clone, Serialize)]
+pub struct ArmResult {
+    pub gbps: f64,
+    pub gbps_min: f64,
+    pub gbps_max: f64,
+    /// `gbps / ceiling_gbps`.
+    pub ratio: f64,
+    pub cpu_s_per_gb: f64,
+    pub p50_ms: Option<f64>,
+    pub p99_ms: Option<f64>,
+    pub cache_growth_bytes: i64,
+    pub runs: Vec<RunResult>,
+}
+
+/// The whole bench.
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchReport {
+    pub ceiling_gbps: f64,
+    pub concurrency: usize,
+    pub runs: usize,
+    pub tensors: usize,
+    pub bytes_per_run: u64,
+    /// Arms in the order they ran.
+    #[serde(serialize_with = "ordered_map")]
+    pub arms: Vec<(String, ArmResult)>,
+}
+
+fn ordered_map<S: serde::Serializer>(v: &[(String, ArmResult)], s: S) -> std::result::Result<S::Ok, S::Error> {
+    use serde::ser::SerializeMap;
+    let mut m = s.serialize_map(Some(v.len()))?;
+    for (k, a) in v {
+        m.serialize_entry(k, a)?;
+    }
+    m.end()
+}
+
+impl BenchReport {
+    pub fn arm(&self, name: &str) -> Option<&ArmResult> {
+        self.arms.iter().find(|(n, _)| n == name).map(|(_, a)| a)
+    }
+}
+
+/// Progress callback: (arm, run index, fraction done of that run).
+pub type Progress<'a> = &'a mut dyn FnMut(Arm, usize, f64);
+
+/// Runs the bench on `model`.
+pub fn run(model: &Model, cfg: &BenchConfig, progress: Progress) -> Result<BenchReport> {
+    let mut arms = cfg.arms.clone();
+    if !arms.contains(&Arm::Ceiling) {
+        // Every figure is a ratio to the ceiling measured in the same run.
+        arms.insert(0, Arm::Ceiling);
+    }
+    arms.dedup();
+    let order = decode_order(model, &cfg.filter, cfg.seed);
+    if order.is_empty() {
+        return Err(Error::Config(format!("no tensor name contains {:?}", cfg.filter)));
+    }
+    let bytes_per_run: u64 = order.iter().map(|t| t.len).sum();
+    let mut results: Vec<(Arm, Vec<RunResult>)> = arms.iter().map(|&a| (a, Vec::new())).collect();
+    for r in 0..cfg.runs.max(1) {
+        for (arm, runs) in results.iter_mut() {
+            let res = run_arm(model, cfg, *arm, &order, &mut |f| progress(*arm, r, f))?;
+            runs.push(res);
+        }
+    }
+    let ceiling_gbps = median(
+        results
+            .iter()
+            .find(|(a, _)| *a == Arm::Ceiling)
+            .map(|(_, r)| r.iter().map(|x| x.gbps).collect())
+            .unwrap_or_default(),
+    );
+    let arms = results
+        .into_iter()
+        .map(|(arm, runs)| {
+            let g: Vec<f64> = runs.iter().map(|r| r.gbps).collect();
+            let opt_median = |f: &dyn Fn(&RunResult) -> Option<f64>| {
+                let v: Vec<f64> = runs.iter().filter_map(f).collect();
+                (!v.is_empty()).then(|| median(v))
+            };
+            let gbps = median(g.clone());
+            (
+                arm.name().to_string(),
+                ArmResult {
+                    gbps,
+                    gbps_min: g.iter().copied().fold(f64::INFINITY, f64::min),
+                    gbps_max: g.iter().copied().fold(0.0, f64::max),
+                    ratio: gbps / ceiling_gbps.max(1e-12),
+                    cpu_s_per_gb: median(runs.iter().map(|r| r.cpu_s_per_gb).collect()),
+                    p50_ms: opt_median(&|r| r.p50_ms),
+                    p99_ms: opt_median(&|r| r.p99_ms),
+                    cache_growth_bytes: median(runs.iter().map(|r| r.cache_growth_bytes as f64).collect()) as i64,
+                    runs,
+                },
+            )
+        })
+        .collect();
+    Ok(BenchReport {
+        ceiling_gbps,
+        concurrency: cfg.concurrency,
+        runs: cfg.runs.max(1),
+        tensors: order.len(),
+        bytes_per_run,
+        arms,
+    })
+}
+
+/// Median (of an even count: the mean of the middle two).
+pub fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+fn percentile(sorted: &[f64], p: f64) -> Option<f64> {
+    if sorted.is_empty() {
+        return None;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    Some(sorted[i.min(sorted.len() - 1)])
+}
+
+/// The tensors to read, in a seeded random order (Fisher-Yates, splitmix64).
+pub fn decode_order<'m>(model: &'m Model, filter: &str, seed: u64) -> Vec<&'m TensorRef> {
+    let mut v: Vec<&TensorRef> = model
+        .catalog()
+        .tensors()
+        .iter()
+        .filter(|t| t.name.contains(filter))
+        .collect();
+    let mut state = seed;
+    let mut next = || {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    for i in (1..v.len()).rev() {
+        let j = (next() % (i as u64 + 1)) as usize;
+        v.swap(i, j);
+    }
+    v
+}
+
+/// `Cached:` from /proc/meminfo, in bytes.
+pub fn page_cache_bytes() -> i64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Cached:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<i64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// Drops the page cache of every shard, then samples pages with
+/// `RWF_NOWAIT` reads (which fail with EAGAIN for a page not in the cache):
+/// true when no sampled page is still resident.
+pub fn evict(model: &Model) -> bool {
+    let mut cold = true;
+    for f in model.files() {
+        let _ = rustix::fs::fadvise(&f.buffered, 0, None, rustix::fs::Advice::DontNeed);
+        let pages = f.size / 4096;
+        let mut buf = [0u8; 1];
+        for k in 0..64u64 {
+            let off = pages * k / 64 * 4096;
+            let r = rustix::io::preadv2(
+                &f.buffered,
+                &mut [IoSliceMut::new(&mut buf)],
+                off,
+                rustix::io::ReadWriteFlags::NOWAIT,
+            );
+            if matches!(r, Ok(n) if n > 0) {
+                cold = false;
+            }
+        }
+    }
+    cold
+}
+
+struct Timed {
+    bytes: u64,
+    seconds: f64,
+    /// Process CPU seconds over the timed region only (setup excluded).
+    cpu_s: f64,
+    latencies: Vec<f64>,
+}
+
+fn run_arm(
+    model: &Model,
+    cfg: &BenchConfig,
+    arm: Arm,
+    order: &[&TensorRef],
+    progress: &mut dyn FnMut(f64),
+) -> Result<RunResult> {
+    let cold = match arm {
+        Arm::Buffered | Arm::Mmap => {
+            let c = evict(model);
+            if !c {
+                tracing::warn!(
+                    arm = arm.name(),
+                    "page-cache eviction did not take: some shard pages are still resident; this run is not cold"
+                );
+            }
+            Some(c)
+        }
+        _ => None,
+    };
+    let cache0 = page_cache_bytes();
+    let timed = match arm {
+        Arm::Ceiling => {
+            let paths: Vec<PathBuf> = model.files().iter().map(|f| f.path.clone()).collect();
+            let r = ceiling::measure(&paths, &cfg.ceiling)?;
+            progress(1.0);
+            Timed {
+                bytes: r.bytes,
+                seconds: r.seconds,
+                cpu_s: r.cpu_seconds,
+                latencies: Vec::new(),
+            }
+        }
+        Arm::Engine | Arm::Pread => {
+            let ecfg = EngineConfig {
+                backend: if arm == Arm::Engine {
+                    BackendChoice::Uring
+                } else {
+                    BackendChoice::Pread
+                },
+                ..cfg.engine.clone()
+            };
+            let engine = Engine::new(model, ecfg)?;
+            let spec = model.slot_spec_for_largest(&cfg.filter);
+            let arena = engine.arena(spec, cfg.concurrency.max(1))?;
+            engine_reads(&engine, &arena, order, progress)?
+        }
+        Arm::Buffered | Arm::Mmap => thread_reads(model, cfg, arm, order, progress)?,
+    };
+    let cpu_s = timed.cpu_s;
+    let cache_growth_bytes = page_cache_bytes() - cache0;
+    let mut lat = timed.latencies;
+    lat.sort_by(|a, b| a.total_cmp(b));
+    let gb = timed.bytes as f64 / 1e9;
+    Ok(RunResult {
+        bytes: timed.bytes,
+        seconds: timed.seconds,
+        gbps: gb / timed.seconds.max(1e-9),
+        cpu_s,
+        cpu_s_per_gb: cpu_s / gb.max(1e-12),
+        p50_ms: percentile(&lat, 0.50).map(|s| s * 1e3),
+        p99_ms: percentile(&lat, 0.99).map(|s| s * 1e3),
+        cache_growth_bytes,
+        cold,
+    })
+}
+
+fn engine_reads(engine: &Engine, arena: &Arena, order: &[&TensorRef], progress: &mut dyn FnMut(f64)) -> Result<Timed> {
+    let mut pending = VecDeque::with_capacity(arena.len());
+    let mut latencies = Vec::with_capacity(order.len());
+    let mut bytes = 0u64;
+    let cpu0 = process_cpu_seconds();
+    let t0 = Instant::now();
+    let mut last_report = t0;
+    for (i, t) in order.iter().enumerate() {
+        let slot = loop {
+            if let Some(s) = arena.take() {
+                break s;
+            }
+            let (start, ticket): (Instant, crate::Ticket) =
+                pending.pop_front().expect("a slot is out, so a read is pending");
+            let loaded = ticket.wait()?;
+            latencies.push(start.elapsed().as_secs_f64());
+            bytes += loaded.len() as u64;
+        };
+        pending.push_back((Instant::now(), engine.read(t, slot)?));
+        if last_report.elapsed().as_millis() >= 100 {
+            last_report = Instant::now();
+            progress(i as f64 / order.len() as f64);
+        }
+    }
+    while let Some((start, ticket)) = pending.pop_front() {
+        let loaded = ticket.wait()?;
+        latencies.push(start.elapsed().as_secs_f64());
+        bytes += loaded.len() as u64;
+    }
+    let seconds = t0.elapsed().as_secs_f64();
+    let cpu_s = process_cpu_seconds() - cpu0;
+    progress(1.0);
+    Ok(Timed {
+        bytes,
+        seconds,
+        cpu_s,
+        latencies,
+    })
+}
+
+/// The baselines users would write: `concurrency` threads, each reading one
+/// tensor at a time (buffered `pread` into a heap buffer, or from a map)
+/// and copying it into its slot.
+fn thread_reads(
+    model: &Model,
+    cfg: &BenchConfig,
+    arm: Arm,
+    order: &[&TensorRef],
+    progress: &mut dyn FnMut(f64),
+) -> Result<Timed> {
+    let threads = cfg.concurrency.max(1);
+    let spec = SlotSpec::new(model.catalog().largest(&cfg.filter).unwrap_or(1).max(1) as usize);
+    let arena = Arena::new(spec, threads)?;
+    let maps: Vec<memmap2::Mmap> = if arm == Arm::Mmap {
+        model
+            .files()
+            .iter()
+            .map(|f| {
+                // SAFETY: the shards are opened read-only and weightstream
+                // never writes them; a concurrent writer outside this process
+                // would make any reader see torn bytes, mmap or not.
+                unsafe { memmap2::Mmap::map(&f.buffered) }.map_err(|e| Error::io(&f.path, "mmap", e))
+            })
+            .collect::<Result<_>>()?
+    } else {
+        Vec::new()
+    };
+    let next = AtomicUsize::new(0);
+    let cpu0 = process_cpu_seconds();
+    let t0 = Instant::now();
+    let results: Vec<Result<(u64, Vec<f64>)>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..threads)
+            .map(|_| {
+                let mut slot = arena.take().expect("one slot per thread");
+                let (next, maps) = (&next, &maps);
+                s.spawn(move || -> Result<(u64, Vec<f64>)> {
+                    let mut heap = vec![0u8; if arm == Arm::Buffered { spec.capacity } else { 0 }];
+                    let (mut bytes, mut lat) = (0u64, Vec::new());
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(t) = order.get(i) else { break };
+                        let start = Instant::now();
+                        let len = t.len as usize;
+                        let dst = &mut slot.as_bytes_mut()[..len];
+                        if arm == Arm::Buffered {
+                            let file = &model.files()[t.shard];
+                            let buf = &mut heap[..len];
+                            file.buffered
+                                .read_exact_at(buf, t.offset)
+                                .map_err(|e| Error::io(&file.path, "buffered read", e))?;
+                            dst.copy_from_slice(buf);
+                        } else {
+                            let m = &maps[t.shard];
+                            dst.copy_from_slice(&m[t.offset as usize..t.offset as usize + len]);
+                        }
+                        lat.push(start.elapsed().as_secs_f64());
+                        bytes += len as u64;
+                    }
+                    Ok((bytes, lat))
+                })
+            })
+            .collect();
+        let mut last = Instant::now();
+        while hs.iter().any(|h| !h.is_finished()) {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            if last.elapsed().as_millis() >= 100 {
+                last = Instant::now();
+                progress(next.load(Ordering::Relaxed).min(order.len()) as f64 / order.len() as f64);
+            }
+        }
+        hs.into_iter()
+            .map(|h| h.join().expect("bench thread panicked"))
+            .collect()
+    });
+    let seconds = t0.elapsed().as_secs_f64();
+    let cpu_s = process_cpu_seconds() - cpu0;
+    progress(1.0);
+    let (mut bytes, mut latencies) = (0, Vec::new());
+    for r in results {
+        let (b, l) = r?;
+        bytes += b;
+        latencies.extend(l);
+    }
+    Ok(Timed {
+        bytes,
+        seconds,
+        cpu_s,
+        latencies,
+    })
+}
