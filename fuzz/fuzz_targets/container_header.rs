@@ -1,0 +1,108 @@
+//! Feeds arbitrary bytes to `ShardHeader::parse`, the pure validation of a
+//! `.safetensors` header: no input may panic, and an accepted header must
+//! describe tensors that tile the data section from 0 to end of file.
+//!
+//! The bytes are used two ways: as a whole file image (raw = the 8-byte
+//! length and the header it announces, file size = the image's length),
+//! and as the raw header itself against an empty and an absurd data section.
+
+#![no_main]
+
+use std::collections::HashSet;
+use std::path::Path;
+
+use libfuzzer_sys::fuzz_target;
+use weightstream::container::{ShardHeader, MAX_HEADER_LEN};
+
+const PATH: &str = "/fuzz/shard-00001.safetensors";
+
+fuzz_target!(|data: &[u8]| {
+    // 1. A whole file image.
+    let raw = match data.get(..8) {
+        Some(p) => {
+            let n = u64::from_le_bytes(p.try_into().unwrap());
+            match n.checked_add(8) {
+                Some(end) if end <= data.len() as u64 => data[..end as usize].to_vec(),
+                _ => data.to_vec(),
+            }
+        }
+        None => data.to_vec(),
+    };
+    let image = check(raw.clone(), data.len() as u64);
+    if let Some(h) = &image {
+        // The reference reader, holding the whole file, must agree.
+        let (n, meta) = safetensors::SafeTensors::read_metadata(data)
+            .unwrap_or_else(|e| panic!("accepted a header the reference refuses: {e}"));
+        assert_eq!(n as u64, h.header_len);
+        let names: Vec<String> = meta.offset_keys();
+        assert_eq!(names.len(), h.tensors.len());
+        for (name, t) in names.iter().zip(&h.tensors) {
+            let info = meta.info(name).unwrap();
+            assert_eq!(name, &t.name);
+            assert_eq!(info.dtype, t.dtype);
+            assert_eq!(info.shape, t.shape);
+            assert_eq!(
+                (info.data_offsets.0 as u64, info.data_offsets.1 as u64),
+                (t.begin, t.end)
+            );
+        }
+    }
+
+    // 2. The bytes as the raw header of a file with no data / a huge file.
+    check(data.to_vec(), data.len() as u64);
+    check(data.to_vec(), u64::MAX);
+});
+
+/// Parses and checks the invariants of an accepted header; returns it.
+fn check(raw: Vec<u8>, file_size: u64) -> Option<ShardHeader> {
+    let h = match ShardHeader::parse(Path::new(PATH), raw.clone(), file_size) {
+        Ok(h) => h,
+        Err(e) => {
+            let msg = e.to_string();
+            assert!(msg.contains(PATH), "error does not name the file: {msg}");
+            return None;
+        }
+    };
+    let n = u64::from_le_bytes(raw[..8].try_into().unwrap());
+    assert!(n >= 1 && n <= MAX_HEADER_LEN, "header length {n} accepted");
+    assert_eq!(h.header_len, n);
+    assert_eq!(h.data_start, 8 + n);
+    assert_eq!(h.file_size, file_size);
+    assert_eq!(
+        h.raw, raw,
+        "raw header bytes must be kept exactly (mirrors compare them)"
+    );
+    assert_eq!(raw[8], b'{');
+    // Sorted, contiguous from 0, each range the size dtype x shape says.
+    let mut at = 0u64;
+    let mut names = HashSet::new();
+    for t in &h.tensors {
+        assert!(names.insert(t.name.as_str()), "duplicate tensor {:?}", t.name);
+        assert_eq!(t.begin, at, "tensor {:?} does not start where the last ended", t.name);
+        assert!(t.end >= t.begin);
+        let bits = t
+            .shape
+            .iter()
+            .try_fold(t.dtype.bitsize() as u128, |acc, &d| acc.checked_mul(d as u128))
+            .expect("accepted shape overflows u128");
+        assert_eq!(bits % 8, 0);
+        assert_eq!(
+            bits / 8,
+            t.len() as u128,
+            "tensor {:?}: dtype x shape != byte length",
+            t.name
+        );
+        assert!(
+            h.data_start + t.end <= file_size,
+            "tensor {:?} past end of file",
+            t.name
+        );
+        at = t.end;
+    }
+    assert_eq!(
+        8 + h.header_len + at,
+        file_size,
+        "data section does not end at end of file"
+    );
+    Some(h)
+}
