@@ -16,57 +16,10 @@ mod common;
 use std::collections::BTreeMap;
 use std::ffi::OsStr;
 use std::path::Path;
-use std::process::Command;
+
+use common::{parse_sums, reference_digests as reference};
 
 use weightstream::{Arena, DirectMode, Model, ModelConfig, SlotSpec};
-
-const REQUIRE: &str = "WEIGHTSTREAM_REQUIRE_REFERENCE";
-
-fn required() -> bool {
-    std::env::var(REQUIRE).map(|v| v == "1").unwrap_or(false)
-}
-
-/// Runs the reference script into `dir`; `None` when the reference is not
-/// available here (and not required).
-fn reference(dir: &Path) -> Option<String> {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/ref_digest.py");
-    let unavailable = |why: String| {
-        if required() {
-            panic!("{REQUIRE}=1 but the reference is unavailable: {why}");
-        }
-        eprintln!(
-            "SKIP reference comparison: {why} (install python3 with `safetensors` and `numpy`; \
-             set {REQUIRE}=1 to make this a failure)"
-        );
-        None
-    };
-    let out = match Command::new("python3").arg(&script).arg(dir).output() {
-        Ok(o) => o,
-        Err(e) => return unavailable(format!("cannot run python3: {e}")),
-    };
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    match out.status.code() {
-        Some(0) => {}
-        Some(3) => return unavailable(stderr.trim().to_string()),
-        _ => panic!("{} failed ({}):\n{stderr}", script.display(), out.status),
-    }
-    Some(String::from_utf8(out.stdout).expect("utf-8 digests"))
-}
-
-/// `<hex>  <name>` lines -> name -> hex, checking the format on the way.
-fn parse_sums(text: &str) -> BTreeMap<String, String> {
-    let mut m = BTreeMap::new();
-    for line in text.lines() {
-        let (hex, name) = line.split_once("  ").unwrap_or_else(|| panic!("bad line {line:?}"));
-        assert_eq!(hex.len(), 64, "{line:?}");
-        assert!(hex.bytes().all(|b| b.is_ascii_hexdigit()), "{line:?}");
-        assert!(
-            m.insert(name.to_string(), hex.to_string()).is_none(),
-            "duplicate {name}"
-        );
-    }
-    m
-}
 
 fn cli(args: &[&OsStr]) -> String {
     let out = common::run(args);

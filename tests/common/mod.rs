@@ -5,6 +5,7 @@
 
 #![allow(dead_code)]
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -178,13 +179,29 @@ pub fn bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_weightstream"))
 }
 
+/// Environment variables that change what the binary does; tests run it
+/// without them so the arguments alone decide.
+pub const ENV_KNOBS: [&str; 6] = [
+    "WEIGHTSTREAM_LOG",
+    "WEIGHTSTREAM_BACKEND",
+    "WEIGHTSTREAM_QD",
+    "WEIGHTSTREAM_CHUNK",
+    "WEIGHTSTREAM_SQPOLL",
+    "WEIGHTSTREAM_IOPOLL",
+];
+
+/// `cmd` with the [`ENV_KNOBS`] removed.
+pub fn hermetic(mut cmd: Command) -> Command {
+    for k in ENV_KNOBS {
+        cmd.env_remove(k);
+    }
+    cmd
+}
+
 /// Runs the binary with `args`; logging at its default level.
 pub fn run(args: &[&std::ffi::OsStr]) -> Output {
-    Command::new(bin())
-        .args(args)
-        .env_remove("WEIGHTSTREAM_LOG")
-        .output()
-        .expect("run the weightstream binary")
+    let mut cmd = hermetic(Command::new(bin()));
+    cmd.args(args).output().expect("run the weightstream binary")
 }
 
 pub fn sha256_hex(bytes: &[u8]) -> String {
@@ -212,4 +229,82 @@ pub fn fs_reads_o_direct(dir: &Path) -> bool {
         .unwrap_or(false);
     let _ = std::fs::remove_file(&probe);
     ok
+}
+
+/// Set to 1 (as CI does) to make a missing Python reference a failure.
+pub const REQUIRE_REFERENCE: &str = "WEIGHTSTREAM_REQUIRE_REFERENCE";
+
+pub fn reference_required() -> bool {
+    std::env::var(REQUIRE_REFERENCE).map(|v| v == "1").unwrap_or(false)
+}
+
+/// Runs `tests/reference/ref_digest.py` into `dir` (the reference writer
+/// makes the shards; the reference reader prints `<sha256>  <name>` lines,
+/// sorted by name). `None`, with a SKIP notice, when python3 or its
+/// `safetensors`/`numpy` modules are missing, unless
+/// `WEIGHTSTREAM_REQUIRE_REFERENCE=1`, where that is a failure.
+pub fn reference_digests(dir: &Path) -> Option<String> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/ref_digest.py");
+    let unavailable = |why: String| {
+        if reference_required() {
+            panic!("{REQUIRE_REFERENCE}=1 but the reference is unavailable: {why}");
+        }
+        eprintln!(
+            "SKIP reference comparison: {why} (install python3 with `safetensors` and `numpy`; \
+             set {REQUIRE_REFERENCE}=1 to make this a failure)"
+        );
+        None
+    };
+    let out = match Command::new("python3").arg(&script).arg(dir).output() {
+        Ok(o) => o,
+        Err(e) => return unavailable(format!("cannot run python3: {e}")),
+    };
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    match out.status.code() {
+        Some(0) => {}
+        Some(3) => return unavailable(stderr.trim().to_string()),
+        _ => panic!("{} failed ({}):\n{stderr}", script.display(), out.status),
+    }
+    Some(String::from_utf8(out.stdout).expect("utf-8 digests"))
+}
+
+/// `<hex>  <name>` lines -> name -> hex, checking the format on the way.
+pub fn parse_sums(text: &str) -> BTreeMap<String, String> {
+    let mut m = BTreeMap::new();
+    for line in text.lines() {
+        let (hex, name) = line.split_once("  ").unwrap_or_else(|| panic!("bad line {line:?}"));
+        assert_eq!(hex.len(), 64, "{line:?}");
+        assert!(hex.bytes().all(|b| b.is_ascii_hexdigit()), "{line:?}");
+        assert!(
+            m.insert(name.to_string(), hex.to_string()).is_none(),
+            "duplicate {name}"
+        );
+    }
+    m
+}
+
+/// The `tensors` map of `digest --json` output: name -> hex.
+pub fn json_sums(v: &serde_json::Value) -> BTreeMap<String, String> {
+    v["tensors"]
+        .as_object()
+        .expect("--json output has a tensors object")
+        .iter()
+        .map(|(k, h)| (k.clone(), h.as_str().expect("hex string").to_string()))
+        .collect()
+}
+
+/// Runs the binary with `args` and parses its `--json` stdout; panics with
+/// stderr when it fails. Returns the JSON and stderr.
+pub fn run_json(args: &[&std::ffi::OsStr]) -> (serde_json::Value, String) {
+    let out = run(args);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "weightstream {args:?} failed:\n{stderr}");
+    let v = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("weightstream {args:?}: stdout is not JSON ({e}):\n{stderr}"));
+    (v, stderr)
+}
+
+/// Writes a synthetic model (`weightstream::synth`) into `dir`.
+pub fn synth_model(dir: &Path, spec: &weightstream::synth::SynthSpec) {
+    weightstream::synth::write_model(dir, spec).expect("write a synthetic model");
 }
