@@ -84,7 +84,12 @@ struct Mapping {
     slot_len: usize,
     count: usize,
     free: Mutex<Vec<usize>>,
+    /// Run when the mapping goes (no slot or arena handle left): engines
+    /// unregister the arena's fixed buffers here.
+    on_release: Mutex<Vec<ReleaseHook>>,
 }
+
+type ReleaseHook = Box<dyn FnOnce() + Send>;
 
 // SAFETY: the mapping is plain memory owned by this struct; every byte of it
 // is reached only through a `Slot`, and each slot index is held by at most
@@ -97,6 +102,10 @@ unsafe impl Sync for Mapping {}
 
 impl Drop for Mapping {
     fn drop(&mut self) {
+        let hooks = std::mem::take(self.on_release.get_mut().unwrap_or_else(|p| p.into_inner()));
+        for h in hooks {
+            h();
+        }
         // SAFETY: `ptr`/`map_len` are exactly the mapping made in `Arena::new`,
         // and no `Slot` exists any more (each holds an `Arc<Mapping>`), so
         // nothing can reach the memory after this.
@@ -153,6 +162,7 @@ impl Arena {
                 slot_len,
                 count,
                 free: Mutex::new((0..count).rev().collect()),
+                on_release: Mutex::new(Vec::new()),
             }),
         })
     }
@@ -203,6 +213,15 @@ impl Arena {
     /// Bytes of one slot.
     pub fn slot_len(&self) -> usize {
         self.map.slot_len
+    }
+
+    /// Runs `f` once, when the last handle and slot of this arena are gone.
+    pub(crate) fn on_release(&self, f: impl FnOnce() + Send + 'static) {
+        self.map
+            .on_release
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(Box::new(f));
     }
 }
 

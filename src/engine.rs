@@ -17,9 +17,10 @@ use crate::inflight::{Outcome, Request};
 use crate::queue::{Control, DriveQueue, Job, Target};
 use crate::ring::{self, RingConfig, MAX_FIXED_BUFFERS, MAX_FIXED_BUFFER_BYTES};
 use crate::stats::{DriveCounters, Feature, Stats};
-use crate::sync::{lock, Arc, Mutex};
+use crate::sync::{lock_std as lock, Arc as ReqArc};
 use crate::topology;
 use crate::Model;
+use std::sync::{Arc, Mutex};
 
 /// Which I/O backend to use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -127,12 +128,43 @@ struct ArenaReg {
     id: u64,
     slots_per_buffer: usize,
     first: u32,
+    n: u32,
 }
 
 struct Registry {
     arenas: Vec<ArenaReg>,
+    /// Table ranges `(first, n)` free for reuse (their arena was released).
+    holes: Vec<(u32, u32)>,
     next: u32,
     unregistered: Option<String>,
+}
+
+impl Registry {
+    fn new(unregistered: Option<String>) -> Self {
+        Registry {
+            arenas: Vec::new(),
+            holes: Vec::new(),
+            next: 0,
+            unregistered,
+        }
+    }
+
+    /// A free range of `n` table entries: a hole first-fit, else the end.
+    fn alloc(&mut self, n: u32) -> Option<u32> {
+        if let Some(i) = self.holes.iter().position(|h| h.1 >= n) {
+            let (first, len) = self.holes[i];
+            if len == n {
+                self.holes.remove(i);
+            } else {
+                self.holes[i] = (first + n, len - n);
+            }
+            return Some(first);
+        }
+        (self.next + n <= MAX_FIXED_BUFFERS).then(|| {
+            self.next += n;
+            self.next - n
+        })
+    }
 }
 
 /// Reads tensors of one model into slots, concurrently, on every drive.
@@ -143,7 +175,7 @@ pub struct Engine {
     drives: Vec<DriveIo>,
     fixed_files: Feature,
     fixed_buffers_ok: bool,
-    registry: Mutex<Registry>,
+    registry: Arc<Mutex<Registry>>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -190,26 +222,24 @@ impl Engine {
                         drives: drives.into_iter().map(|d| d.0).collect(),
                         fixed_files: files,
                         fixed_buffers_ok: buffers_ok,
-                        registry: Mutex::new(Registry {
-                            arenas: Vec::new(),
-                            next: 0,
-                            unregistered,
-                        }),
+                        registry: Arc::new(Mutex::new(Registry::new(unregistered))),
                     });
                 }
-                Err(e) if config.backend == BackendChoice::Auto => {
-                    let why = format!(
-                        "io_uring unavailable ({e}{}); using the pread backend",
-                        match e.raw_os_error() {
-                            Some(libc::EPERM) => ": kernel.io_uring_disabled or a seccomp profile",
-                            Some(libc::ENOSYS) => ": kernel without io_uring or a seccomp profile",
-                            _ => "",
-                        }
-                    );
+                Err(e) => {
+                    let hint = match e.raw_os_error() {
+                        Some(libc::EPERM) => ": kernel.io_uring_disabled or a seccomp profile",
+                        Some(libc::ENOSYS) => ": kernel without io_uring or a seccomp profile",
+                        _ => "",
+                    };
+                    if config.backend != BackendChoice::Auto {
+                        return Err(Error::Config(format!(
+                            "io_uring_setup failed: {e}{hint}; use --backend pread (or auto)"
+                        )));
+                    }
+                    let why = format!("io_uring unavailable ({e}{hint}); using the pread backend");
                     tracing::warn!("{why}");
                     reason = Some(why);
                 }
-                Err(e) => return Err(Error::io("<io_uring>", "io_uring_setup", e)),
             }
         }
         let mut drives = Vec::new();
@@ -235,11 +265,7 @@ impl Engine {
                 reason: Some("pread backend".into()),
             },
             fixed_buffers_ok: false,
-            registry: Mutex::new(Registry {
-                arenas: Vec::new(),
-                next: 0,
-                unregistered: Some("pread backend".into()),
-            }),
+            registry: Arc::new(Mutex::new(Registry::new(Some("pread backend".into())))),
         })
     }
 
@@ -294,12 +320,12 @@ impl Engine {
         }
         let per = (MAX_FIXED_BUFFER_BYTES / slot_len).max(1);
         let n = arena.len().div_ceil(per) as u32;
-        if reg.next + n > MAX_FIXED_BUFFERS {
+        let Some(first) = reg.alloc(n) else {
             return refuse(
                 &mut reg,
                 format!("the fixed-buffer table ({MAX_FIXED_BUFFERS} entries) is full"),
             );
-        }
+        };
         let iovecs: Vec<(usize, usize)> = (0..n as usize)
             .map(|k| {
                 let first_slot = k * per;
@@ -307,39 +333,61 @@ impl Engine {
                 (base as usize + first_slot * slot_len, slots * slot_len)
             })
             .collect();
-        let first = reg.next;
-        for d in &self.drives {
+        for (i, d) in self.drives.iter().enumerate() {
             let (tx, rx) = std::sync::mpsc::channel();
             d.q.push_control(Control::RegisterBuffers {
                 first,
                 iovecs: iovecs.clone(),
                 reply: tx,
             });
-            match rx.recv() {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => {
-                    let why = if e.raw_os_error() == Some(libc::ENOMEM) {
-                        let (soft, _) = memlock_limit();
-                        let need_kib = ((arena.len() * slot_len).div_ceil(1024) * self.drives.len()) as u64;
-                        format!(
-                            "registering {} bytes failed with ENOMEM: RLIMIT_MEMLOCK is {}; raise it (`ulimit -l {}` or more, in KiB) or run with CAP_IPC_LOCK",
-                            arena.len() * slot_len,
-                            soft.map_or("unlimited".to_string(), |s| format!("{s} bytes")),
-                            need_kib + soft.unwrap_or(0) / 1024
-                        )
-                    } else {
-                        format!("register_buffers_update: {e}")
-                    };
-                    return refuse(&mut reg, why);
+            let failed = match rx.recv() {
+                Ok(Ok(())) => None,
+                Ok(Err(e)) if e.raw_os_error() == Some(libc::ENOMEM) => {
+                    let (soft, _) = memlock_limit();
+                    let need_kib = ((arena.len() * slot_len).div_ceil(1024) * self.drives.len()) as u64;
+                    Some(format!(
+                        "registering {} bytes failed with ENOMEM: RLIMIT_MEMLOCK is {}; raise it (`ulimit -l {}` or more, in KiB) or run with CAP_IPC_LOCK",
+                        arena.len() * slot_len,
+                        soft.map_or("unlimited".to_string(), |s| format!("{s} bytes")),
+                        need_kib + soft.unwrap_or(0) / 1024
+                    ))
                 }
-                Err(_) => return refuse(&mut reg, "ring thread gone".into()),
+                Ok(Err(e)) => Some(format!("register_buffers_update: {e}")),
+                Err(_) => Some("ring thread gone".into()),
+            };
+            if let Some(why) = failed {
+                // Undo the rings that took it, and give the range back.
+                for d in &self.drives[..i] {
+                    d.q.push_control(Control::UnregisterBuffers { first, n });
+                }
+                reg.holes.push((first, n));
+                return refuse(&mut reg, why);
             }
         }
-        reg.next += n;
         reg.arenas.push(ArenaReg {
             id: arena.id(),
             slots_per_buffer: per,
             first,
+            n,
+        });
+        // When the arena goes, empty its entries in every ring (unpinning the
+        // pages and returning the locked-memory charge) and free the range.
+        // Control messages run in order per ring, so a later registration of
+        // the same range always follows the unregistration.
+        let registry = Arc::downgrade(&self.registry);
+        let queues: Vec<_> = self.drives.iter().map(|d| Arc::downgrade(&d.q)).collect();
+        let id = arena.id();
+        arena.on_release(move || {
+            let Some(registry) = registry.upgrade() else { return };
+            let mut reg = lock(&registry);
+            let Some(i) = reg.arenas.iter().position(|a| a.id == id) else {
+                return;
+            };
+            let a = reg.arenas.swap_remove(i);
+            for q in queues.iter().filter_map(|q| q.upgrade()) {
+                q.push_control(Control::UnregisterBuffers { first: a.first, n: a.n });
+            }
+            reg.holes.push((a.first, a.n));
         });
     }
 
@@ -356,11 +404,7 @@ impl Engine {
     /// and comes back with the payload (or goes back to its arena on error).
     /// Blocks only while the drive already has `queue_depth` chunks in flight.
     pub fn read(&self, tensor: &TensorRef, slot: Slot) -> Result<Ticket> {
-        let file = self
-            .model
-            .files()
-            .get(tensor.shard)
-            .ok_or_else(|| Error::NoSuchTensor(tensor.name.clone()))?;
+        let file = self.model.file_of(tensor)?;
         let drive = &self.model.drives()[file.drive];
         let c = &drive.counters;
         let mut w = direct::plan(&file.path, file.size, tensor, &slot)?;
@@ -418,7 +462,7 @@ impl Engine {
                 }
             }
             io.q.push(Job {
-                req: Arc::clone(&req),
+                req: ReqArc::clone(&req),
                 chunk: ch,
                 target,
                 pad,
@@ -552,7 +596,7 @@ fn memlock_limit() -> (Option<u64>, Option<u64>) {
 /// to its arena after the last completion is reaped.
 #[must_use = "a ticket owns its slot; wait() for the payload"]
 pub struct Ticket {
-    req: Arc<Request<Slot>>,
+    req: ReqArc<Request<Slot>>,
     pad: usize,
     len: usize,
 }

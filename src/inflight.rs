@@ -106,9 +106,13 @@ impl<S> Request<S> {
         }
         st.taken = true;
         match st.error.take() {
-            // The slot stays in the request and goes back to its arena when
-            // the last holder drops the request.
-            Some(e) => Outcome::Failed(e),
+            // Done means every chunk was reaped: the kernel is finished with
+            // the slot, so it goes back to its arena before the caller hears
+            // of the error.
+            Some(e) => {
+                drop(st.slot.take());
+                Outcome::Failed(e)
+            }
             None => match st.slot.take() {
                 Some(s) => Outcome::Ready(s),
                 None => Outcome::Spent,

@@ -208,12 +208,22 @@ impl Model {
     /// Reads `tensor` into `slot` on the calling thread: the payload lands at
     /// `slot base + offset % align`. On error the slot goes back to its arena.
     pub fn read_sync(&self, tensor: &TensorRef, slot: Slot) -> Result<Loaded> {
-        let file = self
-            .inner
-            .files
-            .get(tensor.shard)
-            .ok_or_else(|| Error::NoSuchTensor(tensor.name.clone()))?;
+        let file = self.file_of(tensor)?;
         direct::read_sync(file, &self.inner.drives[file.drive], tensor, slot, self.inner.direct)
+    }
+
+    /// The open shard holding `tensor`, after checking that `tensor` is this
+    /// model's own (a `TensorRef` of another model could name a shard index
+    /// and range that fit here and read the wrong bytes).
+    pub(crate) fn file_of(&self, tensor: &TensorRef) -> Result<&ShardFile> {
+        match self.inner.catalog.tensors().get(tensor.index) {
+            Some(own) if own == tensor => Ok(&self.inner.files[tensor.shard]),
+            _ => Err(Error::NoSuchTensor(format!(
+                "{} (this tensor reference belongs to another model than {})",
+                tensor.name,
+                self.inner.catalog.dir().display()
+            ))),
+        }
     }
 
     /// A snapshot of the counters.

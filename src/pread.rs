@@ -3,11 +3,13 @@
 //! small pool of threads per drive takes chunks from the drive's queue and
 //! `pread`s each straight into its place in the slot.
 
+use std::sync::atomic::Ordering;
 use std::thread::JoinHandle;
 
 use crate::queue::{settle, DriveQueue, Job};
-use crate::sync::{lock, Arc};
+use crate::sync::lock_std as lock;
 use crate::Model;
+use std::sync::Arc;
 
 /// Starts `threads` workers for drive `drive`.
 pub(crate) fn start(
@@ -45,6 +47,9 @@ fn worker(model: &Model, q: &DriveQueue) {
             }
         };
         let Some(mut job) = job else { return };
+        let drive = &model.drives()[model.files()[job.chunk.file as usize].drive];
+        let now = q.active.fetch_add(1, Ordering::Relaxed) + 1;
+        drive.counters.inflight_max.fetch_max(now as u64, Ordering::Relaxed);
         loop {
             let res = pread_chunk(model, &job);
             match settle(job, res, model, q) {
@@ -52,6 +57,7 @@ fn worker(model: &Model, q: &DriveQueue) {
                 None => break,
             }
         }
+        q.active.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

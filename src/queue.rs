@@ -9,7 +9,8 @@ use std::os::fd::OwnedFd;
 use crate::arena::Slot;
 use crate::chunk::Chunk;
 use crate::inflight::{Credits, Request};
-use crate::sync::{lock, Arc, Condvar, Mutex};
+use crate::sync::{lock_std as lock, Arc as ReqArc};
+use std::sync::{Condvar, Mutex};
 
 /// Where a chunk's bytes go: the slot's base address and, when its arena is
 /// registered with the ring, the fixed-buffer index that covers the slot.
@@ -21,7 +22,7 @@ pub(crate) struct Target {
 
 /// One chunk to read.
 pub(crate) struct Job {
-    pub req: Arc<Request<Slot>>,
+    pub req: ReqArc<Request<Slot>>,
     pub chunk: Chunk,
     pub target: Target,
     /// Payload placement, for byte accounting.
@@ -39,6 +40,9 @@ pub(crate) enum Control {
         iovecs: Vec<(usize, usize)>,
         reply: std::sync::mpsc::Sender<std::io::Result<()>>,
     },
+    /// Empties `n` table entries from `first` (their arena is gone): the
+    /// kernel unpins the pages and returns the locked-memory charge.
+    UnregisterBuffers { first: u32, n: u32 },
 }
 
 pub(crate) struct Jobs {
@@ -55,6 +59,8 @@ pub(crate) struct DriveQueue {
     /// The ring's wake-up (it keeps a read armed on it).
     pub eventfd: Option<OwnedFd>,
     pub credits: Credits,
+    /// Chunks a pread worker is reading right now.
+    pub active: std::sync::atomic::AtomicUsize,
 }
 
 impl DriveQueue {
@@ -68,6 +74,7 @@ impl DriveQueue {
             ready: Condvar::new(),
             eventfd,
             credits: Credits::new(depth),
+            active: std::sync::atomic::AtomicUsize::new(0),
         }
     }
 

@@ -21,8 +21,9 @@ use io_uring::{opcode, types, IoUring};
 
 use crate::queue::{settle, Control, DriveQueue, Job};
 use crate::stats::DriveCounters;
-use crate::sync::{lock, Arc};
+use crate::sync::lock_std as lock;
 use crate::Model;
+use std::sync::Arc;
 
 /// Most fixed buffers a ring takes (the kernel's limit).
 pub(crate) const MAX_FIXED_BUFFERS: u32 = 1 << 14;
@@ -246,6 +247,21 @@ impl RingThread {
                 // arena, which it keeps alive until the completion is reaped.
                 let r = unsafe { self.ring.submitter().register_buffers_update(first, &iov, None) };
                 let _ = reply.send(r);
+            }
+            Control::UnregisterBuffers { first, n } => {
+                let empty = vec![
+                    libc::iovec {
+                        iov_base: std::ptr::null_mut(),
+                        iov_len: 0
+                    };
+                    n as usize
+                ];
+                // SAFETY: empty iovecs name no memory; they clear the entries.
+                // No read names these entries any more: their arena (and so
+                // every slot of it) is gone.
+                if let Err(e) = unsafe { self.ring.submitter().register_buffers_update(first, &empty, None) } {
+                    tracing::warn!(drive = %self.model.drives()[self.drive].device, "unregistering fixed buffers {first}..{}: {e}", first + n);
+                }
             }
         }
     }

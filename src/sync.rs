@@ -21,3 +21,13 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
         Err(p) => p.into_inner(),
     }
 }
+
+/// `lock` for the plain `std` mutexes of the I/O threads, which loom does
+/// not model (they are the same type as the facade's outside `--cfg loom`).
+#[allow(dead_code)]
+pub(crate) fn lock_std<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    match m.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}

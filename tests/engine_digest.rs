@@ -220,7 +220,6 @@ fn a_flipped_byte_changes_the_engine_digest() {
 /// describes the pread backend too: after reads of many chunks with up to
 /// four workers it is at least 1 and at most the queue depth.
 #[test]
-#[ignore = "bug: the pread backend never updates drives[].inflight_max (src/pread.rs worker: only src/ring.rs enqueue calls inflight_max.fetch_max), so --backend pread always reports 0"]
 fn pread_stats_report_chunks_in_flight() {
     let tmp = common::tempdir();
     let dir = tmp.path().join("model");

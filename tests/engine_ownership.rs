@@ -512,7 +512,6 @@ fn tensor_of_another_model_with_a_shard_this_model_lacks_is_an_error() {
 }
 
 #[test]
-#[ignore = "bug: Engine::read trusts a TensorRef of another model whose shard index and range fit this model (src/engine.rs read: no check that the tensor belongs to self.model's catalog) and returns this model's bytes at that range"]
 fn tensor_of_another_model_inside_this_models_shards_is_an_error_not_wrong_bytes() {
     let fx = Fixture::new();
     let (_tmp, other) = other_model(&fx);
@@ -560,7 +559,6 @@ fn shard_truncated_after_the_engine_opened_it_is_an_error_naming_the_file() {
 /// has completed, so nothing stands in the way of the slot being home by
 /// then; a caller with a one-slot arena that retries at once must find it.
 #[test]
-#[ignore = "bug: a failed read's slot is not home when try_wait()/wait() returns the error (src/queue.rs finish: chunk_done() publishes before the job's Arc<Request> is dropped; src/inflight.rs take() leaves the slot in the request on Failed)"]
 fn failed_read_slot_is_home_when_the_error_is_returned() {
     let fx = Fixture::new();
     let mut on_shard: Vec<TensorRef> = fx

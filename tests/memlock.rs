@@ -230,7 +230,6 @@ const CHILD: &str = "WS_MEMLOCK_TEST_CHILD";
 /// unprivileged user with the limit, executing this same test with `WS_MEMLOCK_TEST_CHILD`
 /// set to the model directory.
 #[test]
-#[ignore = "bug: Engine never unregisters a dropped arena's fixed buffers (src/engine.rs register/Registry: entries are only added), so its pages stay pinned and charged to RLIMIT_MEMLOCK until the engine is dropped; a same-size arena made after it is refused with ENOMEM"]
 fn arena_dropped_while_the_engine_lives_gives_back_its_locked_memory() {
     if let Ok(dir) = std::env::var(CHILD) {
         return child(Path::new(&dir));
