@@ -212,7 +212,7 @@ impl Credits {
         self.cv.notify_all();
     }
 
-    #[cfg(test)]
+    #[cfg(all(test, not(loom)))]
     pub(crate) fn available(&self) -> usize {
         *lock(&self.avail)
     }
