@@ -8,7 +8,7 @@ use crate::window::Window;
 /// One I/O of a request: `len` bytes of file `file` at `file_off`, landing at
 /// `slot_off` from the slot base.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Chunk {
+pub struct Chunk {
     /// Index of the shard file in the model.
     pub file: u32,
     /// Read through the O_DIRECT descriptor.
@@ -23,7 +23,7 @@ pub(crate) struct Chunk {
 /// Chunks of a planned window: the direct part cut at multiples of `chunk`
 /// (itself a multiple of the alignment), then the buffered tail cut the same
 /// way. `direct` false means the whole payload goes buffered.
-pub(crate) fn split(w: &Window, file: u32, chunk: usize) -> impl Iterator<Item = Chunk> + '_ {
+pub fn split(w: &Window, file: u32, chunk: usize) -> impl Iterator<Item = Chunk> + '_ {
     debug_assert!(chunk > 0);
     let chunk = chunk.min(u32::MAX as usize & !4095);
     let direct = (0..w.direct)
@@ -47,14 +47,14 @@ pub(crate) fn split(w: &Window, file: u32, chunk: usize) -> impl Iterator<Item =
 }
 
 /// Number of chunks [`split`] yields.
-pub(crate) fn count(w: &Window, chunk: usize) -> usize {
+pub fn count(w: &Window, chunk: usize) -> usize {
     let chunk = chunk.min(u32::MAX as usize & !4095);
     w.direct.div_ceil(chunk) + w.tail.div_ceil(chunk)
 }
 
 /// What to do after a chunk's I/O returned `res` (bytes, or `-errno`).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Next {
+pub enum Next {
     /// The chunk landed.
     Done,
     /// Issue this (the remainder after a short read, or the same chunk after
@@ -71,7 +71,7 @@ pub(crate) enum Next {
 /// Decides the next step for `c` after its I/O returned `res`. `dio_align`
 /// is the file's O_DIRECT offset alignment: a direct remainder must start on
 /// it, or it goes buffered.
-pub(crate) fn on_result(c: &Chunk, res: i32, dio_align: u32) -> Next {
+pub fn on_result(c: &Chunk, res: i32, dio_align: u32) -> Next {
     if res >= 0 {
         let n = res as u32;
         if n >= c.len {

@@ -26,18 +26,20 @@ struct State<S> {
     error: Option<Error>,
     done: bool,
     taken: bool,
+    /// A thread sleeps in `wait` (notify only then).
+    sleeping: bool,
     waker: Option<Waker>,
 }
 
 /// One read: its slot, its outstanding chunks, its first error.
-pub(crate) struct Request<S> {
+pub struct Request<S> {
     pending: AtomicUsize,
     state: Mutex<State<S>>,
     done_cv: Condvar,
 }
 
 /// What a finished request hands back.
-pub(crate) enum Outcome<S> {
+pub enum Outcome<S> {
     Ready(S),
     Failed(Error),
     /// The result was already taken (polled after completion).
@@ -47,7 +49,7 @@ pub(crate) enum Outcome<S> {
 impl<S> Request<S> {
     /// A request of `chunks` chunks holding `slot`. With 0 chunks it is
     /// complete at once.
-    pub(crate) fn new(slot: S, chunks: usize) -> Arc<Self> {
+    pub fn new(slot: S, chunks: usize) -> Arc<Self> {
         Arc::new(Request {
             pending: AtomicUsize::new(chunks),
             state: Mutex::new(State {
@@ -55,6 +57,7 @@ impl<S> Request<S> {
                 error: None,
                 done: chunks == 0,
                 taken: false,
+                sleeping: false,
                 waker: None,
             }),
             done_cv: Condvar::new(),
@@ -78,17 +81,19 @@ impl<S> Request<S> {
 
     /// One chunk is finished (landed or failed). Returns true for the one
     /// call that completed the request and published it.
-    pub(crate) fn chunk_done(&self) -> bool {
+    pub fn chunk_done(&self) -> bool {
         if self.pending.fetch_sub(1, Ordering::AcqRel) != 1 {
             return false;
         }
-        let waker = {
+        let (waker, sleeping) = {
             let mut st = lock(&self.state);
             debug_assert!(!st.done, "a request is published exactly once");
             st.done = true;
-            st.waker.take()
+            (st.waker.take(), st.sleeping)
         };
-        self.done_cv.notify_all();
+        if sleeping {
+            self.done_cv.notify_all();
+        }
         if let Some(w) = waker {
             w.wake();
         }
@@ -121,14 +126,16 @@ impl<S> Request<S> {
     }
 
     /// Blocks until the request completes, then takes its result.
-    pub(crate) fn wait(&self) -> Outcome<S> {
+    pub fn wait(&self) -> Outcome<S> {
         let mut st = lock(&self.state);
         while !st.done {
+            st.sleeping = true;
             st = match self.done_cv.wait(st) {
                 Ok(g) => g,
                 Err(p) => p.into_inner(),
             };
         }
+        st.sleeping = false;
         Self::take(&mut st)
     }
 
@@ -154,26 +161,28 @@ impl<S> Request<S> {
 
 /// A per-drive bound on chunks in flight (the queue depth). Producers block
 /// while none is free; the reaper returns them. Closing wakes every producer.
-pub(crate) struct Credits {
-    avail: Mutex<usize>,
+pub struct Credits {
+    /// (credits free, producers asleep): notify only when someone sleeps, so
+    /// returning a credit costs no system call on the common path.
+    avail: Mutex<(usize, usize)>,
     cv: Condvar,
     closed: AtomicBool,
 }
 
 impl Credits {
-    pub(crate) fn new(n: usize) -> Self {
+    pub fn new(n: usize) -> Self {
         Credits {
-            avail: Mutex::new(n),
+            avail: Mutex::new((n, 0)),
             cv: Condvar::new(),
             closed: AtomicBool::new(false),
         }
     }
 
     /// Takes one credit if one is free.
-    pub(crate) fn try_acquire(&self) -> bool {
+    pub fn try_acquire(&self) -> bool {
         let mut a = lock(&self.avail);
-        if *a > 0 {
-            *a -= 1;
+        if a.0 > 0 {
+            a.0 -= 1;
             true
         } else {
             false
@@ -181,27 +190,35 @@ impl Credits {
     }
 
     /// Takes one credit, sleeping until one is returned. False when closed.
-    pub(crate) fn acquire(&self) -> bool {
+    pub fn acquire(&self) -> bool {
         let mut a = lock(&self.avail);
         loop {
             if self.closed.load(Ordering::Acquire) {
                 return false;
             }
-            if *a > 0 {
-                *a -= 1;
+            if a.0 > 0 {
+                a.0 -= 1;
                 return true;
             }
+            a.1 += 1;
             a = match self.cv.wait(a) {
                 Ok(g) => g,
                 Err(p) => p.into_inner(),
             };
+            a.1 -= 1;
         }
     }
 
     /// Returns `n` credits and wakes producers.
-    pub(crate) fn release(&self, n: usize) {
-        *lock(&self.avail) += n;
-        self.cv.notify_all();
+    pub fn release(&self, n: usize) {
+        let sleepers = {
+            let mut a = lock(&self.avail);
+            a.0 += n;
+            a.1
+        };
+        if sleepers > 0 {
+            self.cv.notify_all();
+        }
     }
 
     /// Refuses every later acquire and wakes every sleeping producer.
@@ -214,7 +231,7 @@ impl Credits {
 
     #[cfg(all(test, not(loom)))]
     pub(crate) fn available(&self) -> usize {
-        *lock(&self.avail)
+        lock(&self.avail).0
     }
 }
 

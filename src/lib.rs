@@ -45,3 +45,11 @@ pub use engine::{BackendChoice, Engine, EngineConfig, Ticket};
 pub use error::{Error, Result};
 pub use model::{Model, ModelConfig};
 pub use stats::{FallbackCause, Stats};
+
+/// Internals exposed only for the microbenchmarks in `benches/` (not a
+/// stable API: hidden from the docs, may change with any release).
+#[doc(hidden)]
+pub mod __bench {
+    pub use crate::chunk::{count as chunk_count, on_result as chunk_on_result, split as chunk_split, Chunk};
+    pub use crate::inflight::{Credits, Outcome, Request};
+}
