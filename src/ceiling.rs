@@ -82,7 +82,7 @@ pub fn process_cpu_seconds() -> f64 {
 
 /// Reads `paths` (grouped by drive) and reports GB/s per drive and in total.
 pub fn measure(paths: &[PathBuf], cfg: &CeilingConfig) -> Result<CeilingReport> {
-    if cfg.bs == 0 || cfg.bs % 4096 != 0 {
+    if cfg.bs == 0 || !cfg.bs.is_multiple_of(4096) {
         return Err(Error::Config(format!(
             "block size {} must be a non-zero multiple of 4096",
             cfg.bs

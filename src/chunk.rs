@@ -88,7 +88,7 @@ pub fn on_result(c: &Chunk, res: i32, dio_align: u32) -> Next {
             len: c.len - n,
             ..*c
         };
-        if c.direct && (n % dio_align.max(1) != 0) {
+        if c.direct && !n.is_multiple_of(dio_align.max(1)) {
             return Next::Fallback(Chunk { direct: false, ..rest }, FallbackCause::ShortDirect);
         }
         return Next::Again(rest);
