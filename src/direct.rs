@@ -122,7 +122,7 @@ pub(crate) fn direct_refusal(file: &ShardFile, w: &Window, slot: &Slot) -> Optio
         return Some((FallbackCause::DirectOpenRefused, why.to_string()));
     }
     let mem = file.topo.dio_mem_align as usize;
-    if slot.base() as usize % mem != 0 {
+    if !(slot.base() as usize).is_multiple_of(mem) {
         return Some((
             FallbackCause::SlotMisaligned,
             format!("slot base {:p} is not {mem}-byte aligned", slot.base()),
@@ -130,7 +130,7 @@ pub(crate) fn direct_refusal(file: &ShardFile, w: &Window, slot: &Slot) -> Optio
     }
     let need = file.topo.dio_offset_align as usize;
     let have = slot.spec().align;
-    if have % need != 0 {
+    if !have.is_multiple_of(need) {
         return Some((
             FallbackCause::SlotAlignTooSmall,
             format!("slot reserves {have}-byte alignment, the file needs {need}"),

@@ -225,8 +225,8 @@ fn one_read(fx: &Fixture, model: &Model, mode: DirectMode, fs: Fs, case: &Case, 
     let shard = &model.files()[t.shard];
     let capable = mode != DirectMode::Off
         && shard.direct.is_some()
-        && align % shard.topo.dio_offset_align as u64 == 0
-        && slot.base() as usize % shard.topo.dio_mem_align as usize == 0;
+        && align.is_multiple_of(shard.topo.dio_offset_align as u64)
+        && (slot.base() as usize).is_multiple_of(shard.topo.dio_mem_align as usize);
     let slot_len = slot.len();
 
     let c0 = counts(&model.stats());
