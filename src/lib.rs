@@ -27,6 +27,7 @@ pub mod direct;
 pub mod engine;
 pub mod error;
 mod inflight;
+pub mod layout;
 pub mod model;
 pub mod plot;
 mod pread;
@@ -43,7 +44,8 @@ pub use catalog::{Catalog, TensorRef};
 pub use direct::{DirectMode, Loaded};
 pub use engine::{BackendChoice, Engine, EngineConfig, Ticket};
 pub use error::{Error, Result};
-pub use model::{Model, ModelConfig};
+pub use layout::{ModelConfig, RoutePolicy, Weights};
+pub use model::Model;
 pub use stats::{FallbackCause, Stats};
 
 /// Internals exposed only for the microbenchmarks in `benches/` (not a
