@@ -14,13 +14,20 @@ use crate::chunk;
 use crate::direct::{self, DirectMode, Loaded};
 use crate::error::{Error, Result};
 use crate::inflight::{Outcome, Request};
-use crate::queue::{Control, DriveQueue, Job, Target};
+use crate::layout::RoutePolicy;
+use crate::queue::{Control, DriveQueue, Io, Job, Target};
 use crate::ring::{self, RingConfig, MAX_FIXED_BUFFERS, MAX_FIXED_BUFFER_BYTES};
+use crate::route;
+use crate::stats::FallbackCause;
 use crate::stats::{DriveCounters, Feature, Stats};
 use crate::sync::{lock_std as lock, Arc as ReqArc};
 use crate::topology;
 use crate::Model;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+
+/// Copies of one shard a read routes over (primary + mirrors).
+const MAX_COPIES: usize = 8;
 
 /// Which I/O backend to use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -116,7 +123,6 @@ enum Backend {
 }
 
 struct DriveIo {
-    q: Arc<DriveQueue>,
     threads: Vec<JoinHandle<()>>,
     chunk: usize,
     ring: Option<String>,
@@ -170,6 +176,9 @@ impl Registry {
 /// Reads tensors of one model into slots, concurrently, on every drive.
 pub struct Engine {
     model: Model,
+    io: Arc<Io>,
+    /// Rotation that breaks routing ties, so one-chunk reads alternate.
+    turn: AtomicUsize,
     backend: Backend,
     backend_reason: Option<String>,
     drives: Vec<DriveIo>,
@@ -209,7 +218,7 @@ impl Engine {
         let mut reason = None;
         if config.backend != BackendChoice::Pread {
             match start_rings(model, depth, &config, &chunks) {
-                Ok((drives, files)) => {
+                Ok((io, drives, files)) => {
                     let buffers_ok = drives.iter().all(|d| d.1.fixed_buffers.is_ok());
                     let unregistered = drives.iter().find_map(|d| d.1.fixed_buffers.clone().err());
                     if let Some(why) = &unregistered {
@@ -217,6 +226,8 @@ impl Engine {
                     }
                     return Ok(Engine {
                         model: model.clone(),
+                        io,
+                        turn: AtomicUsize::new(0),
                         backend: Backend::Uring,
                         backend_reason: None,
                         drives: drives.into_iter().map(|d| d.0).collect(),
@@ -242,13 +253,17 @@ impl Engine {
                 }
             }
         }
+        let io = make_io(model, depth, false).map_err(|e| Error::io("<engine>", "eventfd", e))?;
         let mut drives = Vec::new();
         for (i, &chunk) in chunks.iter().enumerate() {
-            let q = Arc::new(DriveQueue::new(depth, None));
-            let threads = crate::pread::start(model, i, &q, config.pread_threads.min(depth))
-                .map_err(|e| Error::io("<pread pool>", "spawn worker", e))?;
+            let threads = match crate::pread::start(&io, i, config.pread_threads.min(depth)) {
+                Ok(t) => t,
+                Err(e) => {
+                    stop(&io, &mut drives);
+                    return Err(Error::io("<pread pool>", "spawn worker", e));
+                }
+            };
             drives.push(DriveIo {
-                q,
                 threads,
                 chunk,
                 ring: None,
@@ -256,6 +271,8 @@ impl Engine {
         }
         Ok(Engine {
             model: model.clone(),
+            io,
+            turn: AtomicUsize::new(0),
             backend: Backend::Pread,
             backend_reason: reason
                 .or_else(|| (config.backend == BackendChoice::Pread).then(|| "chosen by configuration".into())),
@@ -333,9 +350,9 @@ impl Engine {
                 (base as usize + first_slot * slot_len, slots * slot_len)
             })
             .collect();
-        for (i, d) in self.drives.iter().enumerate() {
+        for (i, q) in self.io.queues.iter().enumerate() {
             let (tx, rx) = std::sync::mpsc::channel();
-            d.q.push_control(Control::RegisterBuffers {
+            q.push_control(Control::RegisterBuffers {
                 first,
                 iovecs: iovecs.clone(),
                 reply: tx,
@@ -357,8 +374,8 @@ impl Engine {
             };
             if let Some(why) = failed {
                 // Undo the rings that took it, and give the range back.
-                for d in &self.drives[..i] {
-                    d.q.push_control(Control::UnregisterBuffers { first, n });
+                for q in &self.io.queues[..i] {
+                    q.push_control(Control::UnregisterBuffers { first, n });
                 }
                 reg.holes.push((first, n));
                 return refuse(&mut reg, why);
@@ -375,7 +392,7 @@ impl Engine {
         // Control messages run in order per ring, so a later registration of
         // the same range always follows the unregistration.
         let registry = Arc::downgrade(&self.registry);
-        let queues: Vec<_> = self.drives.iter().map(|d| Arc::downgrade(&d.q)).collect();
+        let queues: Vec<_> = self.io.queues.iter().map(Arc::downgrade).collect();
         let id = arena.id();
         arena.on_release(move || {
             let Some(registry) = registry.upgrade() else { return };
@@ -402,12 +419,18 @@ impl Engine {
 
     /// Starts reading `tensor` into `slot`; the slot moves into the ticket
     /// and comes back with the payload (or goes back to its arena on error).
-    /// Blocks only while the drive already has `queue_depth` chunks in flight.
+    /// Each chunk goes to a copy chosen by the model's route policy; `hash`
+    /// uses [`Model::group_key`]. Blocks only while a drive already has
+    /// `queue_depth` chunks in flight.
     pub fn read(&self, tensor: &TensorRef, slot: Slot) -> Result<Ticket> {
-        let file = self.model.file_of(tensor)?;
-        let drive = &self.model.drives()[file.drive];
-        let c = &drive.counters;
-        let mut w = direct::plan(&file.path, file.size, tensor, &slot)?;
+        self.read_keyed(tensor, slot, self.model.group_key(tensor))
+    }
+
+    /// [`Engine::read`] with a caller-supplied group key for `hash` routing.
+    pub fn read_keyed(&self, tensor: &TensorRef, slot: Slot, key: u64) -> Result<Ticket> {
+        let model = &self.model;
+        let primary = model.file_of(tensor)?;
+        let mut w = direct::plan(&primary.path, primary.size, tensor, &slot)?;
         if w.len == 0 {
             return Ok(Ticket {
                 pad: w.pad,
@@ -415,40 +438,108 @@ impl Engine {
                 req: Request::new(slot, 0),
             });
         }
-        if self.model.direct_mode() == DirectMode::Off {
+        let copies = model.copies(tensor.shard);
+        let nc = copies.len().min(MAX_COPIES);
+        // Direct or buffered, per copy (copies may sit on different filesystems).
+        let mut copy_direct = [false; MAX_COPIES];
+        let mut refusals: Vec<Option<(FallbackCause, String)>> = Vec::new();
+        if model.direct_mode() == DirectMode::Off {
             w = w.buffered();
-        } else if let Some((cause, why)) = direct::direct_refusal(file, &w, &slot) {
-            c.fallback(&drive.device, &file.path, cause, &why);
-            w = w.buffered();
+        } else if w.direct == 0 {
+            let d = &model.drives()[primary.drive];
+            let why = format!(
+                "payload of {} bytes holds no whole {}-byte block",
+                w.len,
+                slot.spec().align
+            );
+            d.counters
+                .fallback(&d.device, &primary.path, FallbackCause::NoBulk, &why);
+        } else {
+            refusals = copies[..nc]
+                .iter()
+                .map(|&f| direct::direct_refusal(&model.files()[f], &w, &slot))
+                .collect();
+            for (r, refusal) in refusals.iter().enumerate() {
+                copy_direct[r] = refusal.is_none();
+            }
+            if !copy_direct[..nc].iter().any(|&x| x) {
+                // No copy can: counted once, on the primary's drive.
+                if let Some((cause, why)) = direct::direct_refusal(primary, &w, &slot) {
+                    let d = &model.drives()[primary.drive];
+                    d.counters.fallback(&d.device, &primary.path, cause, &why);
+                }
+                w = w.buffered();
+            }
         }
-        DriveCounters::add(
-            if w.direct > 0 {
-                &c.reads_direct
-            } else {
-                &c.reads_buffered
-            },
-            1,
-        );
-        let io = &self.drives[file.drive];
+        let chunk_size = self.drives[primary.drive].chunk;
         let target = Target {
             base: slot.base() as usize,
             buf_index: self.buf_index(&slot),
         };
-        let n = chunk::count(&w, io.chunk);
-        if target.buf_index.is_none() && matches!(self.backend, Backend::Uring) {
-            ring::count_unregistered(c, n as u64);
-        }
+        let n = chunk::count(&w, chunk_size);
         let (pad, len) = (w.pad, w.len);
         let req = Request::new(slot, n);
-        let mut queued = 0usize;
-        let mut split = chunk::split(&w, tensor.shard as u32, io.chunk);
-        while let Some(ch) = split.next() {
-            if !io.q.credits.try_acquire() {
-                if queued > 0 {
-                    io.q.notify();
-                    queued = 0;
+        let weights: Vec<f64> = copies[..nc].iter().map(|&f| self.weight_of(f)).collect();
+        let policy = if nc == 1 { RoutePolicy::Hash } else { model.route() };
+        let hashed = route::hash_pick(key, &route::cuts(&weights));
+        let turn = if nc > 1 {
+            self.turn.fetch_add(1, Ordering::Relaxed) % nc
+        } else {
+            0
+        };
+        let mut given = [0u32; MAX_COPIES];
+        // Per drive: chunks queued since the last notify, and whether this read
+        // used it direct / buffered (counted once per read per drive).
+        let nd = model.drives().len();
+        let mut queued = vec![0usize; nd];
+        let mut used = vec![(false, false); nd];
+        let mut refused_counted = [false; MAX_COPIES];
+        let mut split = chunk::split(&w, tensor.shard as u32, chunk_size);
+        while let Some(mut ch) = split.next() {
+            let r = match policy {
+                RoutePolicy::Hash => hashed,
+                RoutePolicy::Stripe => route::stripe_pick(&weights, &given[..nc], turn),
+                RoutePolicy::Adaptive => (0..nc)
+                    .map(|k| (turn + k) % nc)
+                    .min_by(|&a, &b| {
+                        let ca = self.io.loads[model.files()[copies[a]].drive].cost(ch.len as u64);
+                        let cb = self.io.loads[model.files()[copies[b]].drive].cost(ch.len as u64);
+                        ca.total_cmp(&cb)
+                    })
+                    .unwrap_or(0),
+            };
+            given[r] += 1;
+            let f = copies[r];
+            let file = &model.files()[f];
+            let d = file.drive;
+            ch.file = f as u32;
+            if ch.direct && !copy_direct[r] {
+                ch.direct = false;
+                if !refused_counted[r] {
+                    refused_counted[r] = true;
+                    if let Some(Some((cause, why))) = refusals.get(r) {
+                        let dr = &model.drives()[d];
+                        dr.counters.fallback(&dr.device, &file.path, *cause, why);
+                    }
                 }
-                if !io.q.credits.acquire() {
+            }
+            if ch.direct {
+                used[d].0 = true;
+            } else {
+                used[d].1 = true;
+            }
+            if target.buf_index.is_none() && matches!(self.backend, Backend::Uring) {
+                ring::count_unregistered(&model.drives()[d].counters, 1);
+            }
+            let q = &self.io.queues[d];
+            if !q.credits.try_acquire() {
+                for (k, n) in queued.iter_mut().enumerate() {
+                    if *n > 0 {
+                        self.io.queues[k].notify();
+                        *n = 0;
+                    }
+                }
+                if !q.credits.acquire() {
                     // The drive is shutting down: this chunk and the rest fail.
                     req.fail(Error::io(
                         &file.path,
@@ -461,20 +552,39 @@ impl Engine {
                     break;
                 }
             }
-            io.q.push(Job {
+            self.io.loads[d].add(ch.len as u64);
+            q.push(Job {
                 req: ReqArc::clone(&req),
                 chunk: ch,
                 target,
                 pad,
                 len,
                 retries: 0,
+                tried: 0,
+                failures: Vec::new(),
             });
-            queued += 1;
+            queued[d] += 1;
         }
-        if queued > 0 {
-            io.q.notify();
+        for (k, n) in queued.iter().enumerate() {
+            if *n > 0 {
+                self.io.queues[k].notify();
+            }
+        }
+        for (k, &(direct, buffered)) in used.iter().enumerate() {
+            let c = &model.drives()[k].counters;
+            if direct {
+                DriveCounters::add(&c.reads_direct, 1);
+            } else if buffered {
+                DriveCounters::add(&c.reads_buffered, 1);
+            }
         }
         Ok(Ticket { req, pad, len })
+    }
+
+    /// Read weight of the copy in file `f` (by its rank).
+    fn weight_of(&self, f: usize) -> f64 {
+        let rank = self.model.files()[f].rank;
+        self.model.rank_weights().get(rank).copied().unwrap_or(1.0)
     }
 
     /// Starts several reads; stops at the first refused one (the tickets
@@ -498,8 +608,9 @@ impl Engine {
             enabled: unregistered.is_none(),
             reason: unregistered,
         });
-        for (d, io) in s.drives.iter_mut().zip(&self.drives) {
+        for ((d, io), load) in s.drives.iter_mut().zip(&self.drives).zip(&self.io.loads) {
             d.ring = io.ring.clone();
+            d.throughput_gbps = Some(load.throughput() / 1e9);
         }
         s
     }
@@ -509,31 +620,56 @@ impl Drop for Engine {
     /// Drains every drive: each thread finishes what is in flight (the
     /// kernel may be writing into those slots) before it exits.
     fn drop(&mut self) {
-        for d in &self.drives {
-            d.q.shutdown();
-        }
-        for d in &mut self.drives {
-            for t in d.threads.drain(..) {
-                let _ = t.join();
-            }
+        stop(&self.io, &mut self.drives);
+    }
+}
+
+/// Shuts every drive's queue, then joins every thread: each finishes what
+/// is in flight before it exits (the kernel may be writing into those slots).
+fn stop(io: &Io, drives: &mut [DriveIo]) {
+    for q in &io.queues {
+        q.shutdown();
+    }
+    for d in drives {
+        for t in d.threads.drain(..) {
+            let _ = t.join();
         }
     }
 }
 
-type RingStart = (Vec<(DriveIo, ring::RingSetup)>, Feature);
+/// The queues (with an eventfd each for rings) and load trackers of every drive.
+fn make_io(model: &Model, depth: usize, eventfd: bool) -> std::io::Result<Arc<Io>> {
+    let n = model.drives().len();
+    let queues = (0..n)
+        .map(|_| {
+            let efd = if eventfd {
+                Some(rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC)?)
+            } else {
+                None
+            };
+            Ok(Arc::new(DriveQueue::new(depth, efd)))
+        })
+        .collect::<std::io::Result<Vec<_>>>()?;
+    Ok(Arc::new(Io {
+        model: model.clone(),
+        queues,
+        loads: (0..n).map(|_| route::DriveLoad::new(1e9)).collect(),
+    }))
+}
+
+type RingStart = (Arc<Io>, Vec<(DriveIo, ring::RingSetup)>, Feature);
 
 fn start_rings(model: &Model, depth: usize, config: &EngineConfig, chunks: &[usize]) -> std::io::Result<RingStart> {
+    let io = make_io(model, depth, true)?;
     let mut out: Vec<(DriveIo, ring::RingSetup)> = Vec::new();
     for (i, &chunk) in chunks.iter().enumerate() {
-        let efd = rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC)?;
-        let q = Arc::new(DriveQueue::new(depth, Some(efd)));
         let iopoll = config.iopoll && device_polls(model, i);
         let cfg = RingConfig {
             depth: depth as u32,
             sqpoll: config.sqpoll,
             iopoll,
         };
-        match ring::start(model, i, &q, cfg) {
+        match ring::start(&io, i, cfg) {
             Ok((handle, setup)) => {
                 let desc = format!(
                     "{}{}",
@@ -545,7 +681,6 @@ fn start_rings(model: &Model, depth: usize, config: &EngineConfig, chunks: &[usi
                 );
                 out.push((
                     DriveIo {
-                        q,
                         threads: vec![handle],
                         chunk,
                         ring: Some(desc),
@@ -554,12 +689,8 @@ fn start_rings(model: &Model, depth: usize, config: &EngineConfig, chunks: &[usi
                 ));
             }
             Err(e) => {
-                for (d, _) in &mut out {
-                    d.q.shutdown();
-                    for t in d.threads.drain(..) {
-                        let _ = t.join();
-                    }
-                }
+                let mut started: Vec<DriveIo> = out.into_iter().map(|d| d.0).collect();
+                stop(&io, &mut started);
                 return Err(e);
             }
         }
@@ -569,6 +700,7 @@ fn start_rings(model: &Model, depth: usize, config: &EngineConfig, chunks: &[usi
         tracing::warn!("fixed files unavailable ({why}); reads use plain descriptors");
     }
     Ok((
+        io,
         out,
         Feature {
             enabled: refused.is_none(),

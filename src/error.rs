@@ -66,6 +66,9 @@ pub enum Error {
         end: u64,
         at: u64,
     },
+    /// Every copy of a shard failed for one chunk of a read.
+    #[error("bytes [{start}, {end}): every copy failed: {copies}")]
+    AllCopiesFailed { start: u64, end: u64, copies: String },
     /// The slot handed to a read cannot hold the tensor.
     #[error("tensor {tensor}: slot too small ({need} payload bytes, slot capacity {capacity})")]
     SlotTooSmall {

@@ -164,7 +164,7 @@ impl<S> Request<S> {
 pub struct Credits {
     /// (credits free, producers asleep): notify only when someone sleeps, so
     /// returning a credit costs no system call on the common path.
-    avail: Mutex<(usize, usize)>,
+    avail: Mutex<(isize, usize)>,
     cv: Condvar,
     closed: AtomicBool,
 }
@@ -172,7 +172,7 @@ pub struct Credits {
 impl Credits {
     pub fn new(n: usize) -> Self {
         Credits {
-            avail: Mutex::new((n, 0)),
+            avail: Mutex::new((n as isize, 0)),
             cv: Condvar::new(),
             closed: AtomicBool::new(false),
         }
@@ -209,11 +209,18 @@ impl Credits {
         }
     }
 
+    /// Takes a credit even when none is free (a chunk moved here by
+    /// failover brings its own): producers wait until the count recovers.
+    pub(crate) fn force_acquire(&self) {
+        let mut a = lock(&self.avail);
+        a.0 -= 1;
+    }
+
     /// Returns `n` credits and wakes producers.
     pub fn release(&self, n: usize) {
         let sleepers = {
             let mut a = lock(&self.avail);
-            a.0 += n;
+            a.0 += n as isize;
             a.1
         };
         if sleepers > 0 {
@@ -231,7 +238,7 @@ impl Credits {
 
     #[cfg(all(test, not(loom)))]
     pub(crate) fn available(&self) -> usize {
-        lock(&self.avail).0
+        lock(&self.avail).0.max(0) as usize
     }
 }
 

@@ -33,6 +33,7 @@ pub mod plot;
 mod pread;
 mod queue;
 mod ring;
+pub mod route;
 pub mod stats;
 mod sync;
 pub mod synth;

@@ -38,6 +38,8 @@ pub struct ShardFile {
     pub shard: usize,
     /// Copy rank: 0 for the primary (or split) copy, k for mirror directory k.
     pub rank: usize,
+    /// A failover away from this copy has been warned about.
+    pub(crate) failover_warned: std::sync::atomic::AtomicBool,
 }
 
 /// What became of one candidate copy.
@@ -347,10 +349,19 @@ impl Model {
                     fallbacks: stats::snapshot_fallbacks(c),
                     inflight_max: ld(&c.inflight_max),
                     chunks_unregistered: ld(&c.chunks_unregistered),
+                    chunks: ld(&c.chunks),
+                    failovers: ld(&c.failovers),
+                    share: 0.0,
+                    throughput_gbps: None,
                     ring: None,
                 }
             })
             .collect();
+        let total: u64 = drives.iter().map(|d| d.bytes).sum();
+        let mut drives = drives;
+        for d in &mut drives {
+            d.share = d.bytes as f64 / total.max(1) as f64;
+        }
         Stats {
             backend: "sync",
             backend_reason: None,
@@ -454,6 +465,7 @@ impl Builder {
             drive,
             shard,
             rank,
+            failover_warned: std::sync::atomic::AtomicBool::new(false),
         });
         Ok(self.files.len() - 1)
     }

@@ -6,30 +6,26 @@
 use std::sync::atomic::Ordering;
 use std::thread::JoinHandle;
 
-use crate::queue::{settle, DriveQueue, Job};
+use crate::queue::{settle, Io, Job};
 use crate::sync::lock_std as lock;
 use crate::Model;
 use std::sync::Arc;
 
 /// Starts `threads` workers for drive `drive`.
-pub(crate) fn start(
-    model: &Model,
-    drive: usize,
-    q: &Arc<DriveQueue>,
-    threads: usize,
-) -> std::io::Result<Vec<JoinHandle<()>>> {
-    let name = format!("ws-pread-{}", model.drives()[drive].device);
+pub(crate) fn start(io: &Arc<Io>, drive: usize, threads: usize) -> std::io::Result<Vec<JoinHandle<()>>> {
+    let name = format!("ws-pread-{}", io.model.drives()[drive].device);
     (0..threads.max(1))
         .map(|i| {
-            let (model, q) = (model.clone(), Arc::clone(q));
+            let io = Arc::clone(io);
             std::thread::Builder::new()
                 .name(format!("{name}-{i}"))
-                .spawn(move || worker(&model, &q))
+                .spawn(move || worker(&io, drive))
         })
         .collect()
 }
 
-fn worker(model: &Model, q: &DriveQueue) {
+fn worker(io: &Io, drive_index: usize) {
+    let (model, q) = (&io.model, &*io.queues[drive_index]);
     loop {
         let job = {
             let mut jobs = lock(&q.jobs);
@@ -52,7 +48,7 @@ fn worker(model: &Model, q: &DriveQueue) {
         drive.counters.inflight_max.fetch_max(now as u64, Ordering::Relaxed);
         loop {
             let res = pread_chunk(model, &job);
-            match settle(job, res, model, q) {
+            match settle(job, res, io, drive_index) {
                 Some(again) => job = again,
                 None => break,
             }

@@ -30,6 +30,19 @@ pub(crate) struct Job {
     pub len: usize,
     /// Times this chunk was retried after EINTR/EAGAIN.
     pub retries: u8,
+    /// Copy ranks this chunk has failed on (bit per rank).
+    pub tried: u32,
+    /// (file, cause) of each failed copy, for the error when all fail.
+    pub failures: Vec<(u32, String)>,
+}
+
+/// What every I/O thread of an engine shares: the model, every drive's
+/// queue (a chunk that fails on one copy moves to another drive's queue) and
+/// every drive's load (for adaptive routing).
+pub(crate) struct Io {
+    pub model: crate::Model,
+    pub queues: Vec<std::sync::Arc<DriveQueue>>,
+    pub loads: Vec<crate::route::DriveLoad>,
 }
 
 /// Control work that must run on the ring's own thread (a single-issuer
@@ -110,42 +123,51 @@ impl DriveQueue {
 }
 
 /// Applies a chunk's result: counts it, and either finishes the chunk
-/// (returning its credit and completing the request when it was the last)
-/// or returns the job to issue again (a remainder, a retry, or a buffered
-/// re-issue after an O_DIRECT failure, counted by cause).
-pub(crate) fn settle(mut job: Job, res: i32, model: &crate::Model, q: &DriveQueue) -> Option<Job> {
+/// (returning its credit and completing the request when it was the last),
+/// returns the job to issue again on this drive (a remainder, a retry, or a
+/// buffered re-issue after an O_DIRECT failure, counted by cause), or moves
+/// it to the next copy of its shard when this copy failed (failover, counted
+/// per drive and warned once per copy). The request fails only when every
+/// copy has failed, with each copy and its cause in the error.
+pub(crate) fn settle(mut job: Job, res: i32, io: &Io, drive_index: usize) -> Option<Job> {
     use crate::chunk::{on_result, payload_bytes, Next};
     use crate::error::Error;
     use crate::stats::DriveCounters;
 
-    /// EINTR/EAGAIN retries of one chunk before giving up.
+    /// EINTR/EAGAIN retries of one chunk before giving up on this copy.
     const MAX_RETRIES: u8 = 64;
 
+    let model = &io.model;
     let file = &model.files()[job.chunk.file as usize];
     let drive = &model.drives()[file.drive];
     let c = &drive.counters;
-    let err = match on_result(&job.chunk, res, file.topo.dio_offset_align) {
+    let failure = match on_result(&job.chunk, res, file.topo.dio_offset_align) {
         Next::Done => {
             let n = payload_bytes(&job.chunk, job.pad, job.len);
             DriveCounters::add(&c.bytes, n);
+            DriveCounters::add(&c.chunks, 1);
             if job.chunk.direct {
                 DriveCounters::add(&c.bytes_direct, n);
             } else {
                 DriveCounters::add(&c.bytes_buffered, n);
                 crate::direct::drop_pages(&file.buffered, job.chunk.file_off, job.chunk.len as u64);
             }
-            None
+            io.loads[drive_index].done(job.chunk.len as u64, true);
+            return finish(job, &io.queues[drive_index], None);
         }
         Next::Again(next) => {
             if next == job.chunk {
                 job.retries += 1;
-                if job.retries > MAX_RETRIES {
-                    let e = std::io::Error::from_raw_os_error(-res);
-                    return finish(job, q, Some(Error::io(&file.path, "read (retries exhausted)", e)));
+                if job.retries <= MAX_RETRIES {
+                    return Some(job);
                 }
+                std::io::Error::from_raw_os_error(-res).to_string() + " (retries exhausted)"
+            } else {
+                // Progress: the remainder of a short read.
+                io.loads[drive_index].done((job.chunk.len - next.len) as u64, true);
+                job.chunk = next;
+                return Some(job);
             }
-            job.chunk = next;
-            return Some(job);
         }
         Next::Fallback(next, cause) => {
             let why = format!(
@@ -162,28 +184,67 @@ pub(crate) fn settle(mut job: Job, res: i32, model: &crate::Model, q: &DriveQueu
             job.chunk = next;
             return Some(job);
         }
-        Next::Eof { at } => Some(Error::UnexpectedEof {
-            path: file.path.clone(),
-            op: if job.chunk.direct {
-                "O_DIRECT read"
-            } else {
-                "buffered read"
-            },
+        Next::Eof { at } => format!("end of file at byte {at} (truncated after it was opened?)"),
+        Next::Fail { errno } => std::io::Error::from_raw_os_error(errno).to_string(),
+    };
+    // This copy failed: the next copy of the shard that has not failed yet
+    // (after this one, wrapping to the primary), else the read fails.
+    io.loads[drive_index].done(job.chunk.len as u64, false);
+    job.tried |= 1 << file.rank.min(31);
+    job.failures.push((job.chunk.file, failure));
+    let copies = model.copies(file.shard);
+    let pos = copies.iter().position(|&f| f == job.chunk.file as usize).unwrap_or(0);
+    let next = (1..copies.len())
+        .map(|k| copies[(pos + k) % copies.len()])
+        .find(|&f| job.tried & (1 << model.files()[f].rank.min(31)) == 0);
+    let Some(next) = next else {
+        let list: Vec<String> = job
+            .failures
+            .iter()
+            .map(|(f, why)| format!("{}: {why}", model.files()[*f as usize].path.display()))
+            .collect();
+        let err = Error::AllCopiesFailed {
             start: job.chunk.file_off,
             end: job.chunk.file_off + job.chunk.len as u64,
-            at,
-        }),
-        Next::Fail { errno } => Some(Error::io(
-            &file.path,
-            if job.chunk.direct {
-                "O_DIRECT read"
-            } else {
-                "buffered read"
-            },
-            std::io::Error::from_raw_os_error(errno),
-        )),
+            copies: list.join("; "),
+        };
+        return finish(job, &io.queues[drive_index], Some(err));
     };
-    finish(job, q, err)
+    DriveCounters::add(&c.failovers, 1);
+    let to = &model.files()[next];
+    if !file.failover_warned.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        tracing::warn!(
+            drive = %drive.device,
+            "{}: read failed ({}); retrying on {} (warned once per copy; counted per drive as failovers)",
+            file.path.display(),
+            job.failures.last().map_or("", |f| f.1.as_str()),
+            to.path.display()
+        );
+    }
+    job.chunk.file = next as u32;
+    job.chunk.direct = job.chunk.direct && can_direct(to, &job);
+    job.retries = 0;
+    io.loads[to.drive].add(job.chunk.len as u64);
+    if to.drive == drive_index {
+        return Some(job);
+    }
+    // Another drive: the job takes its credit with it.
+    let target = &io.queues[to.drive];
+    target.credits.force_acquire();
+    target.push(job);
+    target.notify();
+    io.queues[drive_index].credits.release(1);
+    None
+}
+
+/// Whether `job`'s chunk may go O_DIRECT on copy `f`: it has an O_DIRECT
+/// descriptor and the chunk's offset, length and memory meet its alignment.
+pub(crate) fn can_direct(f: &crate::model::ShardFile, job: &Job) -> bool {
+    let (oa, ma) = (f.topo.dio_offset_align as u64, f.topo.dio_mem_align as usize);
+    f.direct.is_some()
+        && job.chunk.file_off.is_multiple_of(oa)
+        && (job.chunk.len as u64).is_multiple_of(oa)
+        && (job.target.base + job.chunk.slot_off).is_multiple_of(ma)
 }
 
 fn finish(job: Job, q: &DriveQueue, err: Option<crate::error::Error>) -> Option<Job> {

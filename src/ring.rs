@@ -19,7 +19,7 @@ use std::thread::JoinHandle;
 
 use io_uring::{opcode, types, IoUring};
 
-use crate::queue::{settle, Control, DriveQueue, Job};
+use crate::queue::{settle, Control, DriveQueue, Io, Job};
 use crate::stats::DriveCounters;
 use crate::sync::lock_std as lock;
 use crate::Model;
@@ -50,14 +50,10 @@ pub(crate) struct RingSetup {
 
 /// Starts the ring thread of drive `drive`. Returns after the ring exists
 /// (or failed to be created: the error is `io_uring_setup`'s).
-pub(crate) fn start(
-    model: &Model,
-    drive: usize,
-    q: &Arc<DriveQueue>,
-    cfg: RingConfig,
-) -> std::io::Result<(JoinHandle<()>, RingSetup)> {
+pub(crate) fn start(io: &Arc<Io>, drive: usize, cfg: RingConfig) -> std::io::Result<(JoinHandle<()>, RingSetup)> {
     let (tx, rx) = mpsc::channel();
-    let (model2, q2) = (model.clone(), Arc::clone(q));
+    let model = &io.model;
+    let io2 = Arc::clone(io);
     let handle = std::thread::Builder::new()
         .name(format!("ws-ring-{}", model.drives()[drive].device))
         .spawn(move || {
@@ -68,7 +64,7 @@ pub(crate) fn start(
                     return;
                 }
             };
-            let mut t = RingThread::new(ring.0, model2, drive, q2, cfg);
+            let mut t = RingThread::new(ring.0, io2, drive, cfg);
             let setup = RingSetup {
                 flags: ring.1,
                 fixed_files: t.register_files(),
@@ -133,6 +129,7 @@ fn build(cfg: RingConfig) -> std::io::Result<(IoUring, String)> {
 
 struct RingThread {
     ring: IoUring,
+    io: Arc<Io>,
     model: Model,
     drive: usize,
     q: Arc<DriveQueue>,
@@ -150,13 +147,14 @@ struct RingThread {
 }
 
 impl RingThread {
-    fn new(ring: IoUring, model: Model, drive: usize, q: Arc<DriveQueue>, cfg: RingConfig) -> Self {
-        let nfiles = model.files().len();
+    fn new(ring: IoUring, io: Arc<Io>, drive: usize, cfg: RingConfig) -> Self {
+        let nfiles = io.model.files().len();
         RingThread {
             ring,
-            model,
+            model: io.model.clone(),
             drive,
-            q,
+            q: Arc::clone(&io.queues[drive]),
+            io,
             table: Vec::new(),
             generation: Vec::new(),
             free: Vec::new(),
@@ -329,7 +327,7 @@ impl RingThread {
     fn pread_now(&mut self, mut job: Job) {
         loop {
             let res = crate::pread::pread_chunk(&self.model, &job);
-            match settle(job, res, &self.model, &self.q) {
+            match settle(job, res, &self.io, self.drive) {
                 Some(again) if again.chunk.direct => return self.submit(again),
                 Some(again) => job = again,
                 None => return,
@@ -380,7 +378,7 @@ impl RingThread {
             self.generation[idx] = gen.wrapping_add(1);
             self.free.push(idx as u32);
             self.inflight -= 1;
-            if let Some(again) = settle(job, res, &self.model, &self.q) {
+            if let Some(again) = settle(job, res, &self.io, self.drive) {
                 self.submit(again);
             }
         }

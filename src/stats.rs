@@ -70,6 +70,10 @@ pub struct DriveCounters {
     pub reads_buffered: AtomicU64,
     /// Most chunks in flight at once on this drive.
     pub inflight_max: AtomicU64,
+    /// Chunks that landed.
+    pub chunks: AtomicU64,
+    /// Chunks that failed on a copy here and moved to another copy.
+    pub failovers: AtomicU64,
     /// Chunks issued as plain reads because their slot's arena is not
     /// registered with the ring.
     pub chunks_unregistered: AtomicU64,
@@ -116,6 +120,13 @@ pub struct DriveStats {
     pub fallbacks: BTreeMap<&'static str, u64>,
     pub inflight_max: u64,
     pub chunks_unregistered: u64,
+    pub chunks: u64,
+    pub failovers: u64,
+    /// This drive's share of all payload bytes read.
+    pub share: f64,
+    /// Measured throughput (busy time), GB/s; engines only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub throughput_gbps: Option<f64>,
     /// The ring's setup (flags, fixed files), for the io_uring backend.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ring: Option<String>,
