@@ -32,6 +32,8 @@ enum Cmd {
     /// Shards, tensors, bytes, and for each file its filesystem, device, O_DIRECT alignment and whether O_DIRECT opens.
     Inspect {
         model_dir: PathBuf,
+        #[command(flatten)]
+        layout: LayoutArgs,
         #[arg(long)]
         json: bool,
     },
@@ -46,6 +48,8 @@ enum Cmd {
         direct: DirectMode,
         #[command(flatten)]
         engine: EngineArgs,
+        #[command(flatten)]
+        layout: LayoutArgs,
         #[arg(long)]
         json: bool,
     },
@@ -103,6 +107,8 @@ enum Cmd {
         filter: String,
         #[command(flatten)]
         engine: EngineArgs,
+        #[command(flatten)]
+        layout: LayoutArgs,
         /// Write a bar chart of GB/s per arm (SVG).
         #[arg(long)]
         plot: Option<PathBuf>,
@@ -126,6 +132,51 @@ enum Cmd {
         #[arg(long)]
         keep: bool,
     },
+}
+
+/// Where the model's bytes live, shared by the commands that open a model.
+/// Each flag overrides its environment variable.
+#[derive(clap::Args, Debug, Default)]
+struct LayoutArgs {
+    /// Extra directories searched for shards after the primary (`;` or `,`
+    /// separated; WEIGHTSTREAM_MODEL_DIRS).
+    #[arg(long)]
+    dirs: Option<String>,
+    /// Mirror directories holding copies of any subset of the shards
+    /// (WEIGHTSTREAM_MIRROR).
+    #[arg(long)]
+    mirror: Option<String>,
+    /// Read weights per copy, primary first (e.g. 1,1 or 3,1), or probe
+    /// (WEIGHTSTREAM_DISK_WEIGHTS).
+    #[arg(long)]
+    weights: Option<String>,
+    /// hash | stripe | adaptive (WEIGHTSTREAM_ROUTE; default adaptive).
+    #[arg(long)]
+    route: Option<String>,
+}
+
+impl LayoutArgs {
+    fn config(&self, dir: &std::path::Path, direct: Option<DirectMode>) -> Result<ModelConfig, weightstream::Error> {
+        use weightstream::layout::split_list;
+        let env = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
+        let mut c = ModelConfig::new(dir);
+        if let Some(v) = self.dirs.clone().or_else(|| env("WEIGHTSTREAM_MODEL_DIRS")) {
+            c.dirs = split_list(&v).into_iter().map(PathBuf::from).collect();
+        }
+        if let Some(v) = self.mirror.clone().or_else(|| env("WEIGHTSTREAM_MIRROR")) {
+            c.mirrors = split_list(&v).into_iter().map(PathBuf::from).collect();
+        }
+        if let Some(v) = self.weights.clone().or_else(|| env("WEIGHTSTREAM_DISK_WEIGHTS")) {
+            c.weights = v.parse()?;
+        }
+        if let Some(v) = self.route.clone().or_else(|| env("WEIGHTSTREAM_ROUTE")) {
+            c.route = v.parse()?;
+        }
+        if let Some(d) = direct {
+            c.direct = d;
+        }
+        Ok(c)
+    }
 }
 
 /// Engine settings shared by the commands that read.
@@ -212,14 +263,19 @@ fn main() -> ExitCode {
         .with_target(false)
         .init();
     let r = match cli.cmd {
-        Cmd::Inspect { model_dir, json } => inspect(model_dir, json),
+        Cmd::Inspect {
+            model_dir,
+            layout,
+            json,
+        } => inspect(model_dir, &layout, json),
         Cmd::Digest {
             model_dir,
             tensors,
             direct,
             engine,
+            layout,
             json,
-        } => digest(model_dir, tensors, direct, &engine, json),
+        } => digest(model_dir, tensors, direct, &engine, &layout, json),
         Cmd::Ceiling {
             paths,
             bs,
@@ -244,9 +300,21 @@ fn main() -> ExitCode {
             seed,
             filter,
             engine,
+            layout,
             plot,
             json,
-        } => bench_cmd(model_dir, &arms, runs, concurrency, seed, filter, &engine, plot, json),
+        } => bench_cmd(
+            model_dir,
+            &arms,
+            runs,
+            concurrency,
+            seed,
+            filter,
+            &engine,
+            &layout,
+            plot,
+            json,
+        ),
         Cmd::Plot { spec, out } => plot(spec, out),
         Cmd::Demo { dir, size, keep } => demo(dir, size, keep),
     };
@@ -271,14 +339,29 @@ fn main() -> ExitCode {
 
 type CliResult = Result<(), Box<dyn std::error::Error>>;
 
-fn inspect(dir: PathBuf, json: bool) -> CliResult {
-    let model = Model::open(ModelConfig::new(&dir))?;
+fn inspect(dir: PathBuf, layout: &LayoutArgs, json: bool) -> CliResult {
+    let model = Model::open(layout.config(&dir, None)?)?;
     let cat = model.catalog();
-    let files: Vec<serde_json::Value> = model
-        .files()
+    let copy_json = |f: &weightstream::model::ShardFile| {
+        serde_json::json!({
+            "path": f.path,
+            "rank": f.rank,
+            "drive": model.drives()[f.drive].device,
+            "fs_type": f.topo.fs_type,
+            "mount": f.topo.mount,
+            "dio_offset_align": f.topo.dio_offset_align,
+            "dio_mem_align": f.topo.dio_mem_align,
+            "align_source": f.topo.align_source,
+            "direct_opens": f.direct.is_some(),
+            "direct_refused": f.direct_refused,
+        })
+    };
+    let shards: Vec<serde_json::Value> = cat
+        .shards()
         .iter()
-        .zip(cat.shards())
-        .map(|(f, s)| {
+        .enumerate()
+        .map(|(i, s)| {
+            let f = &model.files()[i];
             serde_json::json!({
                 "name": s.name,
                 "path": f.path,
@@ -294,15 +377,20 @@ fn inspect(dir: PathBuf, json: bool) -> CliResult {
                 "align_source": f.topo.align_source,
                 "direct_opens": f.direct.is_some(),
                 "direct_refused": f.direct_refused,
+                "copies": model.copies(i).iter().map(|&c| copy_json(&model.files()[c])).collect::<Vec<_>>(),
             })
         })
         .collect();
+    let refused: Vec<_> = model.copy_report().iter().filter(|c| !c.accepted).collect();
     if json {
         let v = serde_json::json!({
             "dir": cat.dir(),
-            "shards": files,
+            "shards": shards,
             "tensors": cat.tensors().len(),
             "bytes": cat.total_bytes(),
+            "route": model.route().name(),
+            "weights": model.rank_weights(),
+            "refused_copies": refused,
             "drives": model.stats().drives,
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
@@ -311,42 +399,61 @@ fn inspect(dir: PathBuf, json: bool) -> CliResult {
     let mut out = std::io::stdout().lock();
     writeln!(
         out,
-        "model {}: {} shard(s), {} tensor(s), {} bytes",
+        "model {}: {} shard(s), {} tensor(s), {} bytes; route {}, weights per copy rank {:?}",
         cat.dir().display(),
         cat.shards().len(),
         cat.tensors().len(),
-        cat.total_bytes()
+        cat.total_bytes(),
+        model.route().name(),
+        model.rank_weights()
     )?;
-    for (f, s) in model.files().iter().zip(cat.shards()) {
+    for (i, s) in cat.shards().iter().enumerate() {
+        let f = &model.files()[i];
         writeln!(
             out,
-            "  {}  {} bytes, header {} bytes (data at {}), {} tensor(s)",
+            "  {}  {} bytes, header {} bytes (data at {}), {} tensor(s), {} cop{}",
             s.name,
             f.size,
             s.header.header_len,
             s.header.data_start,
-            s.header.tensors.len()
+            s.header.tensors.len(),
+            model.copies(i).len(),
+            if model.copies(i).len() == 1 { "y" } else { "ies" }
         )?;
+        for &c in model.copies(i) {
+            let f = &model.files()[c];
+            writeln!(
+                out,
+                "    [{}] {}  drive {} ({} at {}), dio align offset {} / memory {} (from {:?}), O_DIRECT: {}",
+                f.rank,
+                f.path.display(),
+                model.drives()[f.drive].device,
+                f.topo.fs_type,
+                f.topo.mount.display(),
+                f.topo.dio_offset_align,
+                f.topo.dio_mem_align,
+                f.topo.align_source,
+                match (&f.direct, &f.direct_refused) {
+                    (Some(_), _) => "opens".to_string(),
+                    (None, Some(why)) => format!("no ({why})"),
+                    (None, None) => "no".to_string(),
+                }
+            )?;
+        }
+    }
+    for c in &refused {
         writeln!(
             out,
-            "    fs {} on {} (mounted at {}), dio align offset {} / memory {} (from {:?}), O_DIRECT: {}",
-            f.topo.fs_type,
-            f.topo.device,
-            f.topo.mount.display(),
-            f.topo.dio_offset_align,
-            f.topo.dio_mem_align,
-            f.topo.align_source,
-            match (&f.direct, &f.direct_refused) {
-                (Some(_), _) => "opens".to_string(),
-                (None, Some(why)) => format!("no ({why})"),
-                (None, None) => "no".to_string(),
-            }
+            "  refused copy {} ({}): {}",
+            c.path.display(),
+            c.shard,
+            c.reason.as_deref().unwrap_or("?")
         )?;
     }
     for d in model.drives() {
         writeln!(
             out,
-            "drive {} ({}, {}): dio align {}, O_DIRECT on every shard: {}",
+            "drive {} ({}, {}): dio align {}, O_DIRECT on every file: {}",
             d.device,
             d.fs_type,
             d.mount.display(),
@@ -357,8 +464,15 @@ fn inspect(dir: PathBuf, json: bool) -> CliResult {
     Ok(())
 }
 
-fn digest(dir: PathBuf, names: Vec<String>, direct: DirectMode, args: &EngineArgs, json: bool) -> CliResult {
-    let model = Model::open(ModelConfig::new(&dir).direct(direct))?;
+fn digest(
+    dir: PathBuf,
+    names: Vec<String>,
+    direct: DirectMode,
+    args: &EngineArgs,
+    layout: &LayoutArgs,
+    json: bool,
+) -> CliResult {
+    let model = Model::open(layout.config(&dir, Some(direct))?)?;
     let cat = model.catalog();
     let mut chosen = Vec::new();
     if names.is_empty() {
@@ -494,10 +608,11 @@ fn bench_cmd(
     seed: u64,
     filter: String,
     eargs: &EngineArgs,
+    layout: &LayoutArgs,
     plot: Option<PathBuf>,
     json: bool,
 ) -> CliResult {
-    let model = Model::open(ModelConfig::new(&dir))?;
+    let model = Model::open(layout.config(&dir, None)?)?;
     let engine = eargs
         .config()?
         .ok_or("bench: --backend sync is not an arm; use --arms")?;
