@@ -35,6 +35,7 @@ mod queue;
 mod ring;
 pub mod route;
 pub mod stats;
+pub mod stripe;
 mod sync;
 pub mod synth;
 pub mod topology;
