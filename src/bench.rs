@@ -30,6 +30,7 @@ use crate::catalog::TensorRef;
 use crate::ceiling::{self, process_cpu_seconds, CeilingConfig};
 use crate::engine::{BackendChoice, Engine, EngineConfig};
 use crate::error::{Error, Result};
+use crate::layout::RoutePolicy;
 use crate::Model;
 
 /// One way of reading the experts.
@@ -37,7 +38,10 @@ use crate::Model;
 #[serde(rename_all = "snake_case")]
 pub enum Arm {
     Ceiling,
+    /// The engine with the model's route policy.
     Engine,
+    /// The engine with this route policy (to compare policies in one run).
+    EngineRoute(RoutePolicy),
     Pread,
     Buffered,
     Mmap,
@@ -48,6 +52,9 @@ impl Arm {
         match self {
             Arm::Ceiling => "ceiling",
             Arm::Engine => "engine",
+            Arm::EngineRoute(RoutePolicy::Hash) => "engine-hash",
+            Arm::EngineRoute(RoutePolicy::Stripe) => "engine-stripe",
+            Arm::EngineRoute(RoutePolicy::Adaptive) => "engine-adaptive",
             Arm::Pread => "pread",
             Arm::Buffered => "buffered",
             Arm::Mmap => "mmap",
@@ -62,11 +69,14 @@ impl Arm {
             .map(|a| match a.to_ascii_lowercase().as_str() {
                 "ceiling" => Ok(Arm::Ceiling),
                 "engine" | "uring" => Ok(Arm::Engine),
+                "engine-hash" => Ok(Arm::EngineRoute(RoutePolicy::Hash)),
+                "engine-stripe" => Ok(Arm::EngineRoute(RoutePolicy::Stripe)),
+                "engine-adaptive" => Ok(Arm::EngineRoute(RoutePolicy::Adaptive)),
                 "pread" => Ok(Arm::Pread),
                 "buffered" => Ok(Arm::Buffered),
                 "mmap" => Ok(Arm::Mmap),
                 other => Err(Error::Config(format!(
-                    "arm {other:?}: expected ceiling, engine, pread, buffered or mmap"
+                    "arm {other:?}: expected ceiling, engine, engine-hash, engine-stripe, engine-adaptive, pread, buffered or mmap"
                 ))),
             })
             .collect()
@@ -85,6 +95,10 @@ pub struct BenchConfig {
     pub filter: String,
     pub engine: EngineConfig,
     pub ceiling: CeilingConfig,
+    /// Read the whole order this many times per run (long runs for timelines).
+    pub passes: usize,
+    /// Sample per-drive bytes this often during engine arms (ms).
+    pub timeline_ms: Option<u64>,
 }
 
 impl Default for BenchConfig {
@@ -97,6 +111,8 @@ impl Default for BenchConfig {
             filter: ".experts.".into(),
             engine: EngineConfig::default(),
             ceiling: CeilingConfig::default(),
+            passes: 1,
+            timeline_ms: None,
         }
     }
 }
@@ -117,6 +133,13 @@ pub struct RunResult {
     /// took (sampled pages no longer resident).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cold: Option<bool>,
+    /// Engine arms with a timeline: (seconds since start, payload bytes per
+    /// drive so far), one sample per interval.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub timeline: Option<Vec<(f64, Vec<u64>)>>,
+    /// Engine arms: per drive (device, bytes, share of bytes).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub drives: Option<Vec<(String, u64, f64)>>,
 }
 
 /// Medians over the runs of one arm.
@@ -173,7 +196,8 @@ pub fn run(model: &Model, cfg: &BenchConfig, progress: Progress) -> Result<Bench
         arms.insert(0, Arm::Ceiling);
     }
     arms.dedup();
-    let order = decode_order(model, &cfg.filter, cfg.seed);
+    let once = decode_order(model, &cfg.filter, cfg.seed);
+    let order: Vec<&TensorRef> = (0..cfg.passes.max(1)).flat_map(|_| once.iter().copied()).collect();
     if order.is_empty() {
         return Err(Error::Config(format!("no tensor name contains {:?}", cfg.filter)));
     }
@@ -316,6 +340,8 @@ struct Timed {
     /// Process CPU seconds over the timed region only (setup excluded).
     cpu_s: f64,
     latencies: Vec<f64>,
+    timeline: Option<Vec<(f64, Vec<u64>)>>,
+    drives: Option<Vec<(String, u64, f64)>>,
 }
 
 fn run_arm(
@@ -349,21 +375,44 @@ fn run_arm(
                 seconds: r.seconds,
                 cpu_s: r.cpu_seconds,
                 latencies: Vec::new(),
+                timeline: None,
+                drives: None,
             }
         }
-        Arm::Engine | Arm::Pread => {
+        Arm::Engine | Arm::EngineRoute(_) | Arm::Pread => {
             let ecfg = EngineConfig {
-                backend: if arm == Arm::Engine {
-                    BackendChoice::Uring
-                } else {
+                backend: if arm == Arm::Pread {
                     BackendChoice::Pread
+                } else {
+                    BackendChoice::Uring
+                },
+                route: match arm {
+                    Arm::EngineRoute(r) => Some(r),
+                    _ => cfg.engine.route,
                 },
                 ..cfg.engine.clone()
             };
             let engine = Engine::new(model, ecfg)?;
             let spec = model.slot_spec_for_largest(&cfg.filter);
             let arena = engine.arena(spec, cfg.concurrency.max(1))?;
-            engine_reads(&engine, &arena, order, progress)?
+            let before: Vec<u64> = engine.stats().drives.iter().map(|d| d.bytes).collect();
+            let mut t = engine_reads(&engine, &arena, order, cfg.timeline_ms, progress)?;
+            let after = engine.stats().drives;
+            let total: u64 = after.iter().zip(&before).map(|(d, b)| d.bytes - b).sum();
+            t.drives = Some(
+                after
+                    .iter()
+                    .zip(&before)
+                    .map(|(d, b)| {
+                        (
+                            d.device.clone(),
+                            d.bytes - b,
+                            (d.bytes - b) as f64 / total.max(1) as f64,
+                        )
+                    })
+                    .collect(),
+            );
+            t
         }
         Arm::Buffered | Arm::Mmap => thread_reads(model, cfg, arm, order, progress)?,
     };
@@ -382,10 +431,57 @@ fn run_arm(
         p99_ms: percentile(&lat, 0.99).map(|s| s * 1e3),
         cache_growth_bytes,
         cold,
+        timeline: timed.timeline,
+        drives: timed.drives,
     })
 }
 
-fn engine_reads(engine: &Engine, arena: &Arena, order: &[&TensorRef], progress: &mut dyn FnMut(f64)) -> Result<Timed> {
+fn engine_reads(
+    engine: &Engine,
+    arena: &Arena,
+    order: &[&TensorRef],
+    timeline_ms: Option<u64>,
+    progress: &mut dyn FnMut(f64),
+) -> Result<Timed> {
+    let done = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        // The sampler: per-drive bytes every interval, for timelines.
+        let sampler = timeline_ms.map(|ms| {
+            let done = &done;
+            s.spawn(move || {
+                let t0 = Instant::now();
+                let base: Vec<u64> = engine.stats().drives.iter().map(|d| d.bytes).collect();
+                let mut points = Vec::new();
+                while !done.load(Ordering::Relaxed) {
+                    std::thread::sleep(std::time::Duration::from_millis(ms.max(1)));
+                    let now: Vec<u64> = engine
+                        .stats()
+                        .drives
+                        .iter()
+                        .zip(&base)
+                        .map(|(d, b)| d.bytes - b)
+                        .collect();
+                    points.push((t0.elapsed().as_secs_f64(), now));
+                }
+                points
+            })
+        });
+        let r = engine_pipeline(engine, arena, order, progress);
+        done.store(true, Ordering::Relaxed);
+        let timeline = sampler.map(|h| h.join().expect("sampler panicked"));
+        r.map(|mut t| {
+            t.timeline = timeline;
+            t
+        })
+    })
+}
+
+fn engine_pipeline(
+    engine: &Engine,
+    arena: &Arena,
+    order: &[&TensorRef],
+    progress: &mut dyn FnMut(f64),
+) -> Result<Timed> {
     let mut pending = VecDeque::with_capacity(arena.len());
     let mut latencies = Vec::with_capacity(order.len());
     let mut bytes = 0u64;
@@ -422,6 +518,8 @@ fn engine_reads(engine: &Engine, arena: &Arena, order: &[&TensorRef], progress: 
         seconds,
         cpu_s,
         latencies,
+        timeline: None,
+        drives: None,
     })
 }
 
@@ -513,5 +611,7 @@ fn thread_reads(
         seconds,
         cpu_s,
         latencies,
+        timeline: None,
+        drives: None,
     })
 }

@@ -72,6 +72,8 @@ pub struct EngineConfig {
     pub iopoll: bool,
     /// Worker threads per drive for the pread backend.
     pub pread_threads: usize,
+    /// Route policy for this engine (default: the model's).
+    pub route: Option<RoutePolicy>,
 }
 
 impl Default for EngineConfig {
@@ -83,6 +85,7 @@ impl Default for EngineConfig {
             sqpoll: false,
             iopoll: false,
             pread_threads: 8,
+            route: None,
         }
     }
 }
@@ -181,6 +184,7 @@ pub struct Engine {
     turn: AtomicUsize,
     backend: Backend,
     backend_reason: Option<String>,
+    route: RoutePolicy,
     drives: Vec<DriveIo>,
     fixed_files: Feature,
     fixed_buffers_ok: bool,
@@ -230,6 +234,7 @@ impl Engine {
                         turn: AtomicUsize::new(0),
                         backend: Backend::Uring,
                         backend_reason: None,
+                        route: config.route.unwrap_or(model.route()),
                         drives: drives.into_iter().map(|d| d.0).collect(),
                         fixed_files: files,
                         fixed_buffers_ok: buffers_ok,
@@ -274,6 +279,7 @@ impl Engine {
             io,
             turn: AtomicUsize::new(0),
             backend: Backend::Pread,
+            route: config.route.unwrap_or(model.route()),
             backend_reason: reason
                 .or_else(|| (config.backend == BackendChoice::Pread).then(|| "chosen by configuration".into())),
             drives,
@@ -296,6 +302,11 @@ impl Engine {
             Backend::Uring => "uring",
             Backend::Pread => "pread",
         }
+    }
+
+    /// The route policy this engine uses.
+    pub fn route(&self) -> RoutePolicy {
+        self.route
     }
 
     /// Chunk size used on drive `i`.
@@ -480,7 +491,7 @@ impl Engine {
         let (pad, len) = (w.pad, w.len);
         let req = Request::new(slot, n);
         let weights: Vec<f64> = copies[..nc].iter().map(|&f| self.weight_of(f)).collect();
-        let policy = if nc == 1 { RoutePolicy::Hash } else { model.route() };
+        let policy = if nc == 1 { RoutePolicy::Hash } else { self.route };
         let hashed = route::hash_pick(key, &route::cuts(&weights));
         let turn = if nc > 1 {
             self.turn.fetch_add(1, Ordering::Relaxed) % nc

@@ -12,7 +12,8 @@ use crate::direct::DirectMode;
 use crate::error::{Error, Result};
 
 /// How a read's chunks are spread over the copies of its shard.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum RoutePolicy {
     /// The whole read to one copy, chosen by a multiplicative hash of the
     /// tensor's group key against cut points from the weights (the field's

@@ -109,6 +109,12 @@ enum Cmd {
         engine: EngineArgs,
         #[command(flatten)]
         layout: LayoutArgs,
+        /// Read the whole order this many times per run.
+        #[arg(long, default_value_t = 1)]
+        passes: usize,
+        /// Sample per-drive bytes every MS milliseconds during engine arms (JSON: runs[].timeline).
+        #[arg(long)]
+        timeline_ms: Option<u64>,
         /// Write a bar chart of GB/s per arm (SVG).
         #[arg(long)]
         plot: Option<PathBuf>,
@@ -301,14 +307,14 @@ fn main() -> ExitCode {
             filter,
             engine,
             layout,
+            passes,
+            timeline_ms,
             plot,
             json,
         } => bench_cmd(
             model_dir,
             &arms,
-            runs,
-            concurrency,
-            seed,
+            (runs, concurrency, seed, passes, timeline_ms),
             filter,
             &engine,
             &layout,
@@ -603,9 +609,7 @@ fn gen(
 fn bench_cmd(
     dir: PathBuf,
     arms: &str,
-    runs: usize,
-    concurrency: usize,
-    seed: u64,
+    (runs, concurrency, seed, passes, timeline_ms): (usize, usize, u64, usize, Option<u64>),
     filter: String,
     eargs: &EngineArgs,
     layout: &LayoutArgs,
@@ -624,6 +628,8 @@ fn bench_cmd(
         filter,
         engine,
         ceiling: CeilingConfig::default(),
+        passes,
+        timeline_ms,
     };
     let show = !json && std::io::stderr().is_terminal();
     let started = Instant::now();
