@@ -6,7 +6,7 @@
 # Root only (loop devices, mounts, cgroups); skips with a message otherwise.
 #
 # Usage: benches/multidrive.sh [OUT_DIR]
-#   CAP_MBPS   per-drive read cap, MB/s (10^6 B/s)          default 200
+#   CAP_MBPS   per-drive read cap, MB/s (10^6 B/s)          default 400
 #   MODEL_SIZE model written on each drive                  default 1GiB
 #   RUNS       interleaved runs per arm                     default 3
 #   SIMDRIVES  path of the simdrives tool                   default ../shared/tools/simdrives
@@ -16,7 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 simdrives=${SIMDRIVES:-$root/../shared/tools/simdrives}
-cap=${CAP_MBPS:-200}
+cap=${CAP_MBPS:-400}
 size=${MODEL_SIZE:-1GiB}
 runs=${RUNS:-3}
 date=$(date +%F)
@@ -53,7 +53,7 @@ PY
     done
     if [ "$n" = 1 ]; then
         for conc in 8 1; do
-            b=$("$simdrives" exec "$ws" bench "${mnts[0]}/model" --arms ceiling,engine,pread,buffered --runs "$runs" --concurrency "$conc" --json)
+            b=$("$simdrives" exec "$ws" bench "${mnts[0]}/model" --arms ceiling,engine,pread,buffered,mmap --runs "$runs" --concurrency "$conc" --json)
             python3 - "$json" "$n" "$conc" "$b" <<'PY'
 import json, sys
 p, n, conc, b = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
