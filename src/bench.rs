@@ -137,6 +137,10 @@ pub struct RunResult {
     /// drive so far), one sample per interval.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub timeline: Option<Vec<(f64, Vec<u64>)>>,
+    /// Wall-clock time (seconds since the Unix epoch) of the timeline's zero,
+    /// to line it up with events outside the process (a drive throttled).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub timeline_start_unix: Option<f64>,
     /// Engine arms: per drive (device, bytes, share of bytes).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub drives: Option<Vec<(String, u64, f64)>>,
@@ -341,6 +345,7 @@ struct Timed {
     cpu_s: f64,
     latencies: Vec<f64>,
     timeline: Option<Vec<(f64, Vec<u64>)>>,
+    timeline_start_unix: Option<f64>,
     drives: Option<Vec<(String, u64, f64)>>,
 }
 
@@ -376,6 +381,7 @@ fn run_arm(
                 cpu_s: r.cpu_seconds,
                 latencies: Vec::new(),
                 timeline: None,
+                timeline_start_unix: None,
                 drives: None,
             }
         }
@@ -432,6 +438,7 @@ fn run_arm(
         cache_growth_bytes,
         cold,
         timeline: timed.timeline,
+        timeline_start_unix: timed.timeline_start_unix,
         drives: timed.drives,
     })
 }
@@ -450,6 +457,9 @@ fn engine_reads(
             let done = &done;
             s.spawn(move || {
                 let t0 = Instant::now();
+                let unix0 = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0.0, |d| d.as_secs_f64());
                 let base: Vec<u64> = engine.stats().drives.iter().map(|d| d.bytes).collect();
                 let mut points = Vec::new();
                 while !done.load(Ordering::Relaxed) {
@@ -463,14 +473,17 @@ fn engine_reads(
                         .collect();
                     points.push((t0.elapsed().as_secs_f64(), now));
                 }
-                points
+                (unix0, points)
             })
         });
         let r = engine_pipeline(engine, arena, order, progress);
         done.store(true, Ordering::Relaxed);
         let timeline = sampler.map(|h| h.join().expect("sampler panicked"));
         r.map(|mut t| {
-            t.timeline = timeline;
+            if let Some((unix0, points)) = timeline {
+                t.timeline = Some(points);
+                t.timeline_start_unix = Some(unix0);
+            }
             t
         })
     })
@@ -519,6 +532,7 @@ fn engine_pipeline(
         cpu_s,
         latencies,
         timeline: None,
+        timeline_start_unix: None,
         drives: None,
     })
 }
@@ -612,6 +626,7 @@ fn thread_reads(
         cpu_s,
         latencies,
         timeline: None,
+        timeline_start_unix: None,
         drives: None,
     })
 }
