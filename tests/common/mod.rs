@@ -180,14 +180,22 @@ pub fn bin() -> PathBuf {
 }
 
 /// Environment variables that change what the binary does; tests run it
-/// without them so the arguments alone decide.
-pub const ENV_KNOBS: [&str; 6] = [
+/// without them so the arguments alone decide (a developer's
+/// `WEIGHTSTREAM_MIRROR` or `WEIGHTSTREAM_ROUTE` must never leak into a
+/// test's layout).
+pub const ENV_KNOBS: [&str; 12] = [
     "WEIGHTSTREAM_LOG",
     "WEIGHTSTREAM_BACKEND",
     "WEIGHTSTREAM_QD",
     "WEIGHTSTREAM_CHUNK",
     "WEIGHTSTREAM_SQPOLL",
     "WEIGHTSTREAM_IOPOLL",
+    "WEIGHTSTREAM_MODEL",
+    "WEIGHTSTREAM_MODEL_DIRS",
+    "WEIGHTSTREAM_MIRROR",
+    "WEIGHTSTREAM_DISK_WEIGHTS",
+    "WEIGHTSTREAM_ROUTE",
+    "WEIGHTSTREAM_DIRECT",
 ];
 
 /// `cmd` with the [`ENV_KNOBS`] removed.
@@ -307,4 +315,124 @@ pub fn run_json(args: &[&std::ffi::OsStr]) -> (serde_json::Value, String) {
 /// Writes a synthetic model (`weightstream::synth`) into `dir`.
 pub fn synth_model(dir: &Path, spec: &weightstream::synth::SynthSpec) {
     weightstream::synth::write_model(dir, spec).expect("write a synthetic model");
+}
+
+/// Runs the binary with `args` and the variables in `env` set (on top of the
+/// hermetic environment).
+pub fn run_with_env(args: &[&std::ffi::OsStr], env: &[(&str, &std::ffi::OsStr)]) -> Output {
+    let mut cmd = hermetic(Command::new(bin()));
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.args(args).output().expect("run the weightstream binary")
+}
+
+/// `st_dev` of `path`.
+pub fn st_dev(path: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path)
+        .unwrap_or_else(|e| panic!("stat {}: {e}", path.display()))
+        .dev()
+}
+
+/// Where tests put a second "drive": a tmpfs with its own `st_dev`.
+pub const SECOND_DRIVE: &str = "/dev/shm";
+
+/// A fresh directory on [`SECOND_DRIVE`], another volume than
+/// `CARGO_TARGET_TMPDIR` (so it counts as a second drive, no root needed).
+/// `None`, with a SKIP notice, when there is no such volume here.
+pub fn second_drive_tempdir() -> Option<tempfile::TempDir> {
+    let root = Path::new(SECOND_DRIVE);
+    if !root.is_dir() {
+        eprintln!("SKIP: {SECOND_DRIVE} is missing: no second volume for multi-drive tests");
+        return None;
+    }
+    if st_dev(root) == st_dev(Path::new(env!("CARGO_TARGET_TMPDIR"))) {
+        eprintln!("SKIP: {SECOND_DRIVE} is on the same volume as the build: no second drive");
+        return None;
+    }
+    match tempfile::Builder::new().prefix("ws-test-").tempdir_in(root) {
+        Ok(t) => Some(t),
+        Err(e) => {
+            eprintln!("SKIP: cannot create a directory under {SECOND_DRIVE}: {e}");
+            None
+        }
+    }
+}
+
+/// Whether io_uring is open to this process (`kernel.io_uring_disabled` is
+/// 0, or 1 and we are root).
+pub fn uring_available() -> bool {
+    match std::fs::read_to_string("/proc/sys/kernel/io_uring_disabled") {
+        Ok(v) => match v.trim() {
+            "0" => true,
+            "1" => rustix::process::geteuid().is_root(),
+            _ => false,
+        },
+        Err(_) => true,
+    }
+}
+
+/// The engine backends to test: io_uring where it is open, and pread.
+pub fn engine_backends() -> Vec<&'static str> {
+    if uring_available() {
+        vec!["uring", "pread"]
+    } else {
+        eprintln!("note: io_uring is closed to this process; only the pread backend is tested");
+        vec!["pread"]
+    }
+}
+
+/// The small synthetic model the multi-drive tests fall back to when the
+/// Python reference is unavailable: 4 layers x 3 experts, 4 shards.
+pub fn small_synth_spec() -> weightstream::synth::SynthSpec {
+    weightstream::synth::SynthSpec {
+        layers: 4,
+        experts: 3,
+        expert_bytes: 40_000,
+        shards: 4,
+        ..weightstream::synth::SynthSpec::default()
+    }
+}
+
+/// Fills `dir` with the reference model and returns its digests; without
+/// the reference (and without `WEIGHTSTREAM_REQUIRE_REFERENCE=1`) writes
+/// [`small_synth_spec`] instead and returns `None`: the caller still
+/// compares every layout against the sync path.
+pub fn reference_or_synth(dir: &Path) -> Option<BTreeMap<String, String>> {
+    match reference_digests(dir) {
+        Some(text) => Some(parse_sums(&text)),
+        None => {
+            synth_model(dir, &small_synth_spec());
+            None
+        }
+    }
+}
+
+/// Basenames of the `*.safetensors` files in `dir`, sorted.
+pub fn shard_names(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("list {}: {e}", dir.display()))
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".safetensors"))
+        .collect();
+    v.sort();
+    v
+}
+
+/// Copies the named files from `from` into `to` (created if missing).
+pub fn copy_files(from: &Path, to: &Path, names: &[&str]) {
+    std::fs::create_dir_all(to).unwrap();
+    for n in names {
+        std::fs::copy(from.join(n), to.join(n)).unwrap_or_else(|e| panic!("copy {n} to {}: {e}", to.display()));
+    }
+}
+
+/// Moves the named files from `from` into `to` (created if missing); works
+/// across volumes.
+pub fn move_files(from: &Path, to: &Path, names: &[&str]) {
+    copy_files(from, to, names);
+    for n in names {
+        std::fs::remove_file(from.join(n)).unwrap();
+    }
 }
