@@ -290,16 +290,6 @@ pub fn validate_roots(cfg: &ModelConfig) -> Result<Vec<Root>> {
                 ));
             }
         }
-        if role == RootRole::Mirror {
-            if let Some(r) = roots.iter().find(|r| r.dev == meta.dev()) {
-                tracing::warn!(
-                    "mirror \"{}\" is on the same filesystem as the {} directory \"{}\": accepted, but it adds no bandwidth (two copies behind one device read no faster than one)",
-                    escape(given),
-                    r.role.name(),
-                    escape(&r.given)
-                );
-            }
-        }
         roots.push(Root {
             given: given.clone(),
             path,

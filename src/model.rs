@@ -159,23 +159,32 @@ impl Model {
         let mut copies: Vec<Vec<usize>> = (0..shards.len()).map(|i| vec![i]).collect();
         // Mirrors: each may hold any subset; every copy is proven first.
         let mirrors: Vec<&layout::Root> = roots.iter().filter(|r| r.role == RootRole::Mirror).collect();
-        for (k, m) in mirrors.iter().enumerate() {
-            let rank = k + 1;
+        if mirrors.len() + 1 > MAX_COPY_RANKS {
+            return Err(Error::Config(format!(
+                "{} mirror directories given; at most {} (with the primary, {MAX_COPY_RANKS} copies of a shard)",
+                mirrors.len(),
+                MAX_COPY_RANKS - 1
+            )));
+        }
+        // A mirror that contributes no file takes no rank (no weight slot).
+        let mut rank = 0;
+        for m in &mirrors {
+            rank += 1;
             let mut contributed = 0;
             for (i, shard) in shards.iter().enumerate() {
                 let cand = m.given.join(&shard.name);
-                let meta = match std::fs::symlink_metadata(&cand) {
-                    Ok(meta) => meta,
+                let proven = match std::fs::symlink_metadata(&cand) {
                     Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-                    Err(e) => return Err(Error::io(&cand, "stat mirror copy", e)),
+                    Err(e) => Err(format!("cannot be read: {e}")),
+                    Ok(meta) if meta.file_type().is_symlink() => match std::fs::canonicalize(&cand) {
+                        Ok(real) => prove_copy(&real, shard).map(|f| (real, f)),
+                        Err(e) => Err(format!("is a link that cannot be resolved: {e}")),
+                    },
+                    Ok(meta) if !meta.is_file() => Err("is not a regular file".to_string()),
+                    Ok(_) => prove_copy(&cand, shard).map(|f| (cand.clone(), f)),
                 };
-                let real = if meta.file_type().is_symlink() {
-                    std::fs::canonicalize(&cand).map_err(|e| Error::io(&cand, "resolve link", e))?
-                } else {
-                    cand.clone()
-                };
-                match prove_copy(&real, shard) {
-                    Ok(file) => {
+                match proven {
+                    Ok((real, file)) => {
                         let idx = b.add(real, file, shard.header.file_size, i, rank, &shard.name, "mirror")?;
                         copies[i].push(idx);
                         contributed += 1;
@@ -199,6 +208,7 @@ impl Model {
             }
             if contributed == 0 {
                 tracing::warn!("mirror {}: no usable shard; ignored", m.given.display());
+                rank -= 1;
             } else {
                 tracing::info!(
                     "mirror {} -> {contributed} of {} shard(s)",
@@ -209,16 +219,17 @@ impl Model {
         }
         let catalog = Catalog::new(&config.primary, shards)?;
         let keys = group_keys(&catalog);
-        let ranks = 1 + mirrors.len();
+        let ranks = 1 + rank;
+        warn_shared_filesystems(&b.files, &copies, &b.drives);
         let rank_weights = match &config.weights {
             Weights::Equal => vec![1.0; ranks],
             Weights::Explicit(w) if w.len() == ranks => w.clone(),
             Weights::Explicit(w) => {
                 return Err(Error::Config(format!(
-                    "{} weight(s) given for {ranks} copies (the primary and {} mirror director{}): give one per copy, or probe",
+                    "{} weight(s) given for {ranks} copies (the primary and {} mirror director{} holding shards): give one per copy, or probe",
                     w.len(),
-                    mirrors.len(),
-                    if mirrors.len() == 1 { "y" } else { "ies" }
+                    rank,
+                    if rank == 1 { "y" } else { "ies" }
                 )))
             }
             Weights::Probe => probe_weights(&b.files, ranks),
@@ -379,6 +390,36 @@ pub(crate) fn open_direct(path: &Path) -> std::io::Result<File> {
         .read(true)
         .custom_flags(libc_flags::O_NOFOLLOW | libc_flags::O_CLOEXEC | libc_flags::O_DIRECT)
         .open(path)
+}
+
+/// Most copy ranks (the primary and its mirrors) a shard may have.
+pub const MAX_COPY_RANKS: usize = 8;
+
+/// Says, once per mirror directory, when every copy it holds shares a
+/// filesystem with another copy of the same shard: it adds no bandwidth.
+fn warn_shared_filesystems(files: &[ShardFile], copies: &[Vec<usize>], drives: &[Drive]) {
+    let mut ranks: Vec<usize> = files.iter().filter(|f| f.rank > 0).map(|f| f.rank).collect();
+    ranks.sort_unstable();
+    ranks.dedup();
+    for r in ranks {
+        let mine: Vec<&ShardFile> = files.iter().filter(|f| f.rank == r).collect();
+        let shared = mine.iter().all(|f| {
+            copies[f.shard]
+                .iter()
+                .any(|&o| files[o].rank != r && files[o].drive == f.drive)
+        });
+        if shared {
+            let dir = mine[0]
+                .path
+                .parent()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default();
+            tracing::warn!(
+                "mirror \"{dir}\" is on the same filesystem ({}) as the other copies of its shards: accepted, but it adds no bandwidth (two copies behind one device read no faster than one)",
+                drives[mine[0].drive].device
+            );
+        }
+    }
 }
 
 /// Accumulates opened copies and the drives they sit on.

@@ -141,18 +141,27 @@ pub(crate) fn settle(mut job: Job, res: i32, io: &Io, drive_index: usize) -> Opt
     let file = &model.files()[job.chunk.file as usize];
     let drive = &model.drives()[file.drive];
     let c = &drive.counters;
+    // Counts the payload bytes of `landed` (a chunk, or the prefix of one
+    // that a short read delivered) and drops buffered pages.
+    let count = |landed: &crate::chunk::Chunk| {
+        let n = payload_bytes(landed, job.pad, job.len);
+        DriveCounters::add(&c.bytes, n);
+        if landed.direct {
+            DriveCounters::add(&c.bytes_direct, n);
+        } else {
+            DriveCounters::add(&c.bytes_buffered, n);
+            crate::direct::drop_pages(&file.buffered, landed.file_off, landed.len as u64);
+        }
+        io.loads[drive_index].done(landed.len as u64, true);
+    };
+    let prefix = |next: &crate::chunk::Chunk| crate::chunk::Chunk {
+        len: job.chunk.len - next.len,
+        ..job.chunk
+    };
     let failure = match on_result(&job.chunk, res, file.topo.dio_offset_align) {
         Next::Done => {
-            let n = payload_bytes(&job.chunk, job.pad, job.len);
-            DriveCounters::add(&c.bytes, n);
+            count(&job.chunk);
             DriveCounters::add(&c.chunks, 1);
-            if job.chunk.direct {
-                DriveCounters::add(&c.bytes_direct, n);
-            } else {
-                DriveCounters::add(&c.bytes_buffered, n);
-                crate::direct::drop_pages(&file.buffered, job.chunk.file_off, job.chunk.len as u64);
-            }
-            io.loads[drive_index].done(job.chunk.len as u64, true);
             return finish(job, &io.queues[drive_index], None);
         }
         Next::Again(next) => {
@@ -163,8 +172,8 @@ pub(crate) fn settle(mut job: Job, res: i32, io: &Io, drive_index: usize) -> Opt
                 }
                 std::io::Error::from_raw_os_error(-res).to_string() + " (retries exhausted)"
             } else {
-                // Progress: the remainder of a short read.
-                io.loads[drive_index].done((job.chunk.len - next.len) as u64, true);
+                // Progress: the prefix landed; the remainder goes again.
+                count(&prefix(&next));
                 job.chunk = next;
                 return Some(job);
             }
@@ -181,6 +190,9 @@ pub(crate) fn settle(mut job: Job, res: i32, io: &Io, drive_index: usize) -> Opt
                 }
             );
             c.fallback(&drive.device, &file.path, cause, &why);
+            if next.len < job.chunk.len {
+                count(&prefix(&next));
+            }
             job.chunk = next;
             return Some(job);
         }

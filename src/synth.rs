@@ -163,18 +163,17 @@ pub fn write_model(dir: &Path, spec: &SynthSpec) -> Result<Vec<PathBuf>> {
         for (n, _) in &mine {
             weight_map.insert(n.clone(), spec.shard_name(s).into());
         }
-        // A different metadata length per shard: header lengths vary.
-        let meta = HashMap::from([
-            ("format".to_string(), "pt".to_string()),
-            (
-                "generator".to_string(),
-                format!(
-                    "weightstream synth seed={} {}",
-                    spec.seed,
-                    "~".repeat((s * 37 + 5) % 61)
-                ),
+        // A different metadata length per shard: header lengths vary. One
+        // key only: a map's order is random, and the same spec must give the
+        // same header bytes (a regenerated copy is then a provable mirror).
+        let meta = HashMap::from([(
+            "generator".to_string(),
+            format!(
+                "weightstream synth seed={} {}",
+                spec.seed,
+                "~".repeat((s * 37 + 5) % 61)
             ),
-        ]);
+        )]);
         safetensors::serialize_to_file(mine, Some(meta), &path)
             .map_err(|e| Error::io(&path, "write synthetic shard", std::io::Error::other(e.to_string())))?;
         paths.push(path);

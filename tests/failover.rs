@@ -309,7 +309,6 @@ fn a_mirror_replaced_after_open_still_reads_the_opened_copy() {
 /// two pieces: a short read on a truncated copy (its prefix landed), the
 /// remainder failed over to the other copy.
 #[test]
-#[ignore = "bug: queue::settle adds payload bytes only on Next::Done for the chunk as it is then; after a short read (Next::Again remainder, or Next::Fallback ShortDirect) the landed prefix is never counted, so Stats.bytes/DriveStats.bytes/share undercount after a failover"]
 fn bytes_count_the_prefix_of_a_short_read() {
     let Some(fx) = fixture() else { return };
     for (backend, choice) in backends() {

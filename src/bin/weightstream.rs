@@ -254,6 +254,13 @@ fn parse_bytes(s: &str) -> Result<u64, String> {
 }
 
 fn main() -> ExitCode {
+    // A command-line tool dies quietly when its reader goes away
+    // (`weightstream digest ... | head`), instead of panicking in println!.
+    // SAFETY: restoring the default disposition of SIGPIPE at the start of
+    // main, before any thread exists, races with nothing.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     let default = match cli.verbose {
         0 => "warn",
