@@ -158,6 +158,19 @@ if r:
     for t, rt in rows[::3]:
         L.append(f"| {t:.1f} | " + " | ".join(f"{x:.3f}" for x in rt) + f" | {sum(rt):.3f} |")
     L.append("")
+# Plot: GB/s against drives, per policy, beside the ideal line (N x cap).
+series = []
+for k in ("engine-adaptive", "engine-stripe", "engine-hash"):
+    pts = [[n, load(f"mirror{n}-c8")["arms"][k]["gbps"]] for n in (1, 2, 4) if load(f"mirror{n}-c8")]
+    if pts: series.append({"name": k + " c8", "points": pts})
+pts = [[n, load(f"mirror{n}-c1")["arms"]["engine-adaptive"]["gbps"]] for n in (1, 2, 4) if load(f"mirror{n}-c1")]
+if pts: series.append({"name": "engine-adaptive c1", "points": pts})
+series.append({"name": "ideal (N x cap)", "points": [[n, n * cap / 1000] for n in (1, 2, 4)]})
+spec = {"title": f"full mirror on N drives capped at {cap:.0f} MB/s, median of {runs}", "xlabel": "drives", "ylabel": "GB/s", "series": series}
+json.dump(spec, open(os.path.join(out, "plot.json"), "w"))
+import subprocess
+subprocess.run([os.environ.get("WS", "target/release/weightstream"), "plot", os.path.join(out, "plot.json"), os.path.join(out, "mirrors.svg")], check=True)
+L.insert(5, "![GB/s against drives](mirrors.svg)\n")
 open(os.path.join(out, "mirrors.md"), "w").write("\n".join(L))
 print("\n".join(L))
 PY

@@ -56,4 +56,5 @@ pub use stats::{FallbackCause, Stats};
 pub mod __bench {
     pub use crate::chunk::{count as chunk_count, on_result as chunk_on_result, split as chunk_split, Chunk};
     pub use crate::inflight::{Credits, Outcome, Request};
+    pub use crate::route::DriveLoad;
 }

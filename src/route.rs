@@ -58,7 +58,8 @@ pub fn stripe_pick(weights: &[f64], given: &[u32], start: usize) -> usize {
 /// completions over the time the drive was busy (so an idle drive's rate is
 /// not mistaken for a slow one).
 #[derive(Debug)]
-pub(crate) struct DriveLoad {
+#[doc(hidden)]
+pub struct DriveLoad {
     state: Mutex<LoadState>,
 }
 
@@ -76,7 +77,7 @@ struct LoadState {
 const WINDOW_S: f64 = 0.1;
 
 impl DriveLoad {
-    pub(crate) fn new(initial_bytes_per_s: f64) -> Self {
+    pub fn new(initial_bytes_per_s: f64) -> Self {
         DriveLoad {
             state: Mutex::new(LoadState {
                 outstanding: 0,
@@ -96,7 +97,7 @@ impl DriveLoad {
     }
 
     /// `bytes` were routed to this drive.
-    pub(crate) fn add(&self, bytes: u64) {
+    pub fn add(&self, bytes: u64) {
         let mut st = lock(&self.state);
         Self::tick(&mut st, Instant::now());
         st.outstanding += bytes;
@@ -104,7 +105,7 @@ impl DriveLoad {
 
     /// `bytes` left this drive: `landed` when they were read (they count
     /// toward the throughput), not when the chunk failed or moved away.
-    pub(crate) fn done(&self, bytes: u64, landed: bool) {
+    pub fn done(&self, bytes: u64, landed: bool) {
         let mut st = lock(&self.state);
         Self::tick(&mut st, Instant::now());
         st.outstanding = st.outstanding.saturating_sub(bytes);
@@ -120,7 +121,7 @@ impl DriveLoad {
     }
 
     /// Seconds until this drive would finish `extra` more bytes.
-    pub(crate) fn cost(&self, extra: u64) -> f64 {
+    pub fn cost(&self, extra: u64) -> f64 {
         let st = lock(&self.state);
         (st.outstanding + extra) as f64 / st.tput
     }
