@@ -17,13 +17,17 @@
 //! - `inflight/credits_pair`: one `try_acquire` + `release(1)`, uncontended;
 //!   ns per chunk.
 //!
+//! - `route/*`: the routing decision for one chunk over two copies, and the
+//!   per-drive load bookkeeping each routed chunk pays; ns per chunk.
+//!
 //! These go through `weightstream::__bench`, a hidden re-export of internals
 //! that is not a stable API.
 
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use weightstream::__bench::{chunk_count, chunk_on_result, chunk_split, Chunk, Credits, Request};
+use weightstream::__bench::{chunk_count, chunk_on_result, chunk_split, Chunk, Credits, DriveLoad, Request};
+use weightstream::route::{cuts, hash_pick, stripe_pick};
 use weightstream::window::Window;
 
 /// A typical MoE expert's payload: 19918080 bytes (just under 19 MiB).
@@ -164,13 +168,49 @@ fn inflight(c: &mut Criterion) {
         })
     });
 
-    // ROUTING (placeholder, not built yet): the routing decision benchmark
-    // goes here, in this `inflight` group or a `routing` group of its own,
-    // once the later issue that adds routing lands. Deliberately no benchmark
-    // until there is real code to measure.
-
     g.finish();
 }
 
-criterion_group!(benches, window, chunk, inflight);
+/// The routing decision per chunk, for two copies: `hash` (cut points from
+/// the weights, then one multiply-shift per read), `stripe` (smooth weighted
+/// round robin), `adaptive` (one load lookup per candidate drive: a mutex and
+/// a division each), and the load bookkeeping every routed chunk pays
+/// (`add` when routed, `done` when it lands).
+fn routing(c: &mut Criterion) {
+    let mut g = c.benchmark_group("route");
+    let weights = [1.0, 1.0];
+    g.bench_function("hash_cuts_and_pick", |b| {
+        let mut key = 0u64;
+        b.iter(|| {
+            key = key.wrapping_add(1);
+            hash_pick(black_box(key), &cuts(black_box(&weights)))
+        })
+    });
+    g.bench_function("stripe_pick", |b| {
+        let mut given = [0u32; 2];
+        let mut turn = 0usize;
+        b.iter(|| {
+            turn = turn.wrapping_add(1);
+            let r = stripe_pick(black_box(&weights), &given, turn % 2);
+            given[r] = given[r].wrapping_add(1);
+            r
+        })
+    });
+    let loads = [DriveLoad::new(1e9), DriveLoad::new(2e9)];
+    g.bench_function("adaptive_pick_2_copies", |b| {
+        b.iter(|| {
+            let len = black_box(1u64 << 20);
+            (0..2).min_by(|&x, &y| loads[x].cost(len).total_cmp(&loads[y].cost(len)))
+        })
+    });
+    g.bench_function("load_add_done", |b| {
+        b.iter(|| {
+            loads[0].add(black_box(1 << 20));
+            loads[0].done(black_box(1 << 20), true);
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, window, chunk, inflight, routing);
 criterion_main!(benches);

@@ -6,7 +6,7 @@
 # Root only (loop devices, mounts, cgroups); skips with a message otherwise.
 #
 # Usage: benches/multidrive.sh [OUT_DIR]
-#   CAP_MBPS   per-drive read cap, MB/s (10^6 B/s)          default 400
+#   CAP_MBPS   per-drive read cap, MB/s (10^6 B/s)          default 200
 #   MODEL_SIZE model written on each drive                  default 1GiB
 #   RUNS       interleaved runs per arm                     default 3
 #   SIMDRIVES  path of the simdrives tool                   default ../shared/tools/simdrives
@@ -16,7 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 simdrives=${SIMDRIVES:-$root/../shared/tools/simdrives}
-cap=${CAP_MBPS:-400}
+cap=${CAP_MBPS:-200}
 size=${MODEL_SIZE:-1GiB}
 runs=${RUNS:-3}
 date=$(date +%F)
@@ -29,7 +29,7 @@ cargo build --release --quiet
 ws=$root/target/release/weightstream
 mkdir -p "$out"
 json=$out/multidrive.json
-echo '{"cap_mbps": '"$cap"', "ceiling": [], "bench": []}' > "$json"
+echo '{"cap_mbps": '"$cap"', "ceiling": [], "fio": [], "bench": []}' > "$json"
 cleanup() { "$simdrives" down >/dev/null 2>&1 || true; }
 trap cleanup EXIT
 cleanup
@@ -44,6 +44,17 @@ for n in 1 2 4; do
     done
     sync; echo 3 > /proc/sys/vm/drop_caches
     for r in $(seq "$runs"); do
+        if [ "$n" = 1 ] && command -v fio >/dev/null; then
+            # fio's same job on the same files, interleaved with the ceiling.
+            f=$("$simdrives" exec fio --name=ceiling --ioengine=io_uring --direct=1 --rw=read --bs=1M --iodepth=16 \
+                --readonly --file_service_type=sequential --filename="$(IFS=:; echo "${files[*]}")" --output-format=json)
+            python3 - "$json" "$f" <<'PY'
+import json, sys
+p, f = sys.argv[1], json.loads(sys.argv[2])
+j = f["jobs"][0]; rt = j["job_runtime"] / 1000; gb = j["read"]["io_bytes"] / 1e9
+d = json.load(open(p)); d["fio"].append({"gbps": gb / rt, "cpu_s_per_gb": (j["usr_cpu"] + j["sys_cpu"]) / 100 * rt / gb}); json.dump(d, open(p, "w"), indent=1)
+PY
+        fi
         c=$("$simdrives" exec "$ws" ceiling --json "${files[@]}")
         python3 - "$json" "$n" "$c" <<'PY'
 import json, sys
@@ -85,13 +96,22 @@ for n in ns:
     v = by[n]; m = statistics.median(v); ideal = n * cap / 1000
     lines.append(f"| {n} | {ideal:.3f} | {m:.3f} | {min(v):.3f}-{max(v):.3f} | {m/ideal:.3f} |")
 lines += ["", "![ceiling against drives](multidrive.svg)", ""]
+if d.get("fio"):
+    fg = [x["gbps"] for x in d["fio"]]; fc = [x["cpu_s_per_gb"] for x in d["fio"]]
+    one = [c for c in d["ceiling"] if c["drives"] == 1]
+    cg = [c["gbps"] for c in one]; cc = [c["cpu_seconds"] / (c["bytes"] / 1e9) for c in one]
+    lines += ["fio on the same files, interleaved with the ceiling on one drive (`fio --ioengine=io_uring --direct=1 --rw=read --bs=1M --iodepth=16 --file_service_type=sequential`):", "",
+              "| reader | GB/s median | min-max | CPU s/GB median |", "|---|---|---|---|",
+              f"| fio | {statistics.median(fg):.3f} | {min(fg):.3f}-{max(fg):.3f} | {statistics.median(fc):.4f} |",
+              f"| weightstream ceiling | {statistics.median(cg):.3f} | {min(cg):.3f}-{max(cg):.3f} | {statistics.median(cc):.4f} |",
+              f"| ratio | {statistics.median(cg)/statistics.median(fg):.3f} | | {statistics.median(cc)/statistics.median(fc):.2f} |", ""]
 for b in d["bench"]:
     r = b["report"]
     lines += [f"Engine on one drive, concurrency {b['concurrency']}: ceiling {r['ceiling_gbps']:.3f} GB/s", "",
-              "| arm | GB/s | ratio | CPU s/GB | p50 ms | p99 ms |", "|---|---|---|---|---|---|"]
+              "| arm | GB/s | ratio | CPU s/GB | p50 ms | p99 ms | page cache growth MB |", "|---|---|---|---|---|---|---|"]
     for name, a in r["arms"].items():
         f = lambda x: "-" if x is None else f"{x:.2f}"
-        lines.append(f"| {name} | {a['gbps']:.3f} | {a['ratio']:.3f} | {a['cpu_s_per_gb']:.3f} | {f(a['p50_ms'])} | {f(a['p99_ms'])} |")
+        lines.append(f"| {name} | {a['gbps']:.3f} | {a['ratio']:.3f} | {a['cpu_s_per_gb']:.3f} | {f(a['p50_ms'])} | {f(a['p99_ms'])} | {a['cache_growth_bytes']/1e6:.0f} |")
     lines.append("")
 open(os.path.join(out, "multidrive.md"), "w").write("\n".join(lines))
 print("\n".join(lines))
