@@ -64,10 +64,11 @@ pub(crate) fn pread_chunk(model: &Model, job: &Job) -> i32 {
         (Some(d), true) => d,
         _ => &file.buffered,
     };
-    // SAFETY: the slot is owned by `job.req`, which this job keeps alive, and
-    // spans `[base, base + slot_len)`; the chunk lies inside it (planned by
-    // `window`/`chunk`), no other chunk of the request overlaps it, and the
-    // caller cannot reach the slot until the request completes.
+    // The slot is owned by `job.req`, which this job keeps alive, and spans
+    // `[base, base + slot_len)`; the chunk lies inside it (planned by
+    // `window`/`chunk`).
+    // SAFETY: in-bounds (above); no other chunk of the request overlaps it,
+    // and the caller cannot reach the slot until the request completes.
     let buf = unsafe {
         std::slice::from_raw_parts_mut(
             (job.target.base + job.chunk.slot_off) as *mut u8,

@@ -239,9 +239,9 @@ impl RingThread {
                         iov_len: len,
                     })
                     .collect();
-                // SAFETY: each iovec is a range of a live arena mapping; the
-                // kernel pins those pages for as long as they are registered,
-                // and a read names these buffers only for a slot of that
+                // Each iovec is a range of a live arena mapping; the kernel
+                // pins those pages for as long as they are registered.
+                // SAFETY: a read names these buffers only for a slot of that
                 // arena, which it keeps alive until the completion is reaped.
                 let r = unsafe { self.ring.submitter().register_buffers_update(first, &iov, None) };
                 let _ = reply.send(r);

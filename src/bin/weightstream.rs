@@ -374,24 +374,18 @@ fn inspect(dir: PathBuf, layout: &LayoutArgs, json: bool) -> CliResult {
         .iter()
         .enumerate()
         .map(|(i, s)| {
-            let f = &model.files()[i];
-            serde_json::json!({
-                "name": s.name,
-                "path": f.path,
-                "size": f.size,
-                "header_len": s.header.header_len,
-                "data_start": s.header.data_start,
-                "tensors": s.header.tensors.len(),
-                "fs_type": f.topo.fs_type,
-                "device": f.topo.device,
-                "mount": f.topo.mount,
-                "dio_offset_align": f.topo.dio_offset_align,
-                "dio_mem_align": f.topo.dio_mem_align,
-                "align_source": f.topo.align_source,
-                "direct_opens": f.direct.is_some(),
-                "direct_refused": f.direct_refused,
-                "copies": model.copies(i).iter().map(|&c| copy_json(&model.files()[c])).collect::<Vec<_>>(),
-            })
+            // The primary copy's fields at the top level, every copy under "copies".
+            let mut v = copy_json(&model.files()[i]);
+            let o = v.as_object_mut().expect("an object");
+            o.insert("name".into(), s.name.clone().into());
+            o.insert("size".into(), model.files()[i].size.into());
+            o.insert("header_len".into(), s.header.header_len.into());
+            o.insert("data_start".into(), s.header.data_start.into());
+            o.insert("tensors".into(), s.header.tensors.len().into());
+            o.insert("device".into(), model.files()[i].topo.device.clone().into());
+            let copies: Vec<_> = model.copies(i).iter().map(|&c| copy_json(&model.files()[c])).collect();
+            o.insert("copies".into(), copies.into());
+            v
         })
         .collect();
     let refused: Vec<_> = model.copy_report().iter().filter(|c| !c.accepted).collect();
