@@ -27,7 +27,16 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// Copies of one shard a read routes over (primary + mirrors).
-const MAX_COPIES: usize = 8;
+const MAX_COPIES: usize = crate::model::MAX_COPY_RANKS;
+
+/// A drive one read touches.
+#[derive(Debug, Clone, Copy, Default)]
+struct Touched {
+    drive: usize,
+    queued: usize,
+    direct: bool,
+    buffered: bool,
+}
 
 /// Which I/O backend to use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -453,7 +462,7 @@ impl Engine {
         let nc = copies.len().min(MAX_COPIES);
         // Direct or buffered, per copy (copies may sit on different filesystems).
         let mut copy_direct = [false; MAX_COPIES];
-        let mut refusals: Vec<Option<(FallbackCause, String)>> = Vec::new();
+        let mut refusals: [Option<(FallbackCause, String)>; MAX_COPIES] = Default::default();
         if model.direct_mode() == DirectMode::Off {
             w = w.buffered();
         } else if w.direct == 0 {
@@ -466,11 +475,10 @@ impl Engine {
             d.counters
                 .fallback(&d.device, &primary.path, FallbackCause::NoBulk, &why);
         } else {
-            refusals = copies[..nc]
-                .iter()
-                .map(|&f| direct::direct_refusal(&model.files()[f], &w, &slot))
-                .collect();
-            for (r, refusal) in refusals.iter().enumerate() {
+            for (r, &f) in copies[..nc].iter().enumerate() {
+                refusals[r] = direct::direct_refusal(&model.files()[f], &w, &slot);
+            }
+            for (r, refusal) in refusals[..nc].iter().enumerate() {
                 copy_direct[r] = refusal.is_none();
             }
             if !copy_direct[..nc].iter().any(|&x| x) {
@@ -490,26 +498,30 @@ impl Engine {
         let n = chunk::count(&w, chunk_size);
         let (pad, len) = (w.pad, w.len);
         let req = Request::new(slot, n);
-        let weights: Vec<f64> = copies[..nc].iter().map(|&f| self.weight_of(f)).collect();
+        let mut weights = [1.0f64; MAX_COPIES];
+        for (r, &f) in copies[..nc].iter().enumerate() {
+            weights[r] = self.weight_of(f);
+        }
+        let weights = &weights[..nc];
         let policy = if nc == 1 { RoutePolicy::Hash } else { self.route };
-        let hashed = route::hash_pick(key, &route::cuts(&weights));
+        let hashed = route::hash_pick(key, &route::cuts(weights));
         let turn = if nc > 1 {
             self.turn.fetch_add(1, Ordering::Relaxed) % nc
         } else {
             0
         };
         let mut given = [0u32; MAX_COPIES];
-        // Per drive: chunks queued since the last notify, and whether this read
-        // used it direct / buffered (counted once per read per drive).
-        let nd = model.drives().len();
-        let mut queued = vec![0usize; nd];
-        let mut used = vec![(false, false); nd];
+        // The drives this read touches (at most one per copy): chunks queued
+        // since the last notify, and whether it used the drive direct /
+        // buffered (counted once per read per drive). No allocation per read.
+        let mut touched = [Touched::default(); MAX_COPIES];
+        let mut nt = 0usize;
         let mut refused_counted = [false; MAX_COPIES];
         let mut split = chunk::split(&w, tensor.shard as u32, chunk_size);
         while let Some(mut ch) = split.next() {
             let r = match policy {
                 RoutePolicy::Hash => hashed,
-                RoutePolicy::Stripe => route::stripe_pick(&weights, &given[..nc], turn),
+                RoutePolicy::Stripe => route::stripe_pick(weights, &given[..nc], turn),
                 RoutePolicy::Adaptive => (0..nc)
                     .map(|k| (turn + k) % nc)
                     .min_by(|&a, &b| {
@@ -534,21 +546,30 @@ impl Engine {
                     }
                 }
             }
+            let ti = match touched[..nt].iter().position(|t| t.drive == d) {
+                Some(i) => i,
+                None => {
+                    touched[nt] = Touched {
+                        drive: d,
+                        ..Touched::default()
+                    };
+                    nt += 1;
+                    nt - 1
+                }
+            };
             if ch.direct {
-                used[d].0 = true;
+                touched[ti].direct = true;
             } else {
-                used[d].1 = true;
+                touched[ti].buffered = true;
             }
             if target.buf_index.is_none() && matches!(self.backend, Backend::Uring) {
                 ring::count_unregistered(&model.drives()[d].counters, 1);
             }
             let q = &self.io.queues[d];
             if !q.credits.try_acquire() {
-                for (k, n) in queued.iter_mut().enumerate() {
-                    if *n > 0 {
-                        self.io.queues[k].notify();
-                        *n = 0;
-                    }
+                for t in touched[..nt].iter_mut().filter(|t| t.queued > 0) {
+                    self.io.queues[t.drive].notify();
+                    t.queued = 0;
                 }
                 if !q.credits.acquire() {
                     // The drive is shutting down: this chunk and the rest fail.
@@ -574,18 +595,16 @@ impl Engine {
                 tried: 0,
                 failures: Vec::new(),
             });
-            queued[d] += 1;
+            touched[ti].queued += 1;
         }
-        for (k, n) in queued.iter().enumerate() {
-            if *n > 0 {
-                self.io.queues[k].notify();
+        for t in &touched[..nt] {
+            if t.queued > 0 {
+                self.io.queues[t.drive].notify();
             }
-        }
-        for (k, &(direct, buffered)) in used.iter().enumerate() {
-            let c = &model.drives()[k].counters;
-            if direct {
+            let c = &model.drives()[t.drive].counters;
+            if t.direct {
                 DriveCounters::add(&c.reads_direct, 1);
-            } else if buffered {
+            } else if t.buffered {
                 DriveCounters::add(&c.reads_buffered, 1);
             }
         }

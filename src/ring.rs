@@ -111,6 +111,10 @@ fn build(cfg: RingConfig) -> std::io::Result<(IoUring, String)> {
     match b.build(entries) {
         Ok(r) => Ok((r, flags.join("+"))),
         Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+            tracing::warn!(
+                "io_uring refused {} ({e}); using a plain ring (reported per drive in the stats)",
+                flags.join("+")
+            );
             let mut b = IoUring::builder();
             let mut flags = vec!["plain"];
             if cfg.sqpoll {
