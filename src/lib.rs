@@ -29,6 +29,7 @@ pub mod error;
 mod inflight;
 pub mod layout;
 pub mod model;
+pub mod numa;
 pub mod plot;
 mod pread;
 mod queue;
