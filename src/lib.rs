@@ -45,7 +45,7 @@ pub mod window;
 pub use arena::{Arena, Slot, SlotSpec};
 pub use catalog::{Catalog, TensorRef};
 pub use direct::{DirectMode, Loaded};
-pub use engine::{BackendChoice, Engine, EngineConfig, Ticket};
+pub use engine::{BackendChoice, DrivePlacement, Engine, EngineConfig, Ticket};
 pub use error::{Error, Result};
 pub use layout::{ModelConfig, RoutePolicy, Weights};
 pub use model::Model;

@@ -239,10 +239,7 @@ impl TopologyProvider for SingleNode {
 /// happened: `cpuset 0-3`, `would bind cpuset 4-7 (...)`, `not bound: ...`.
 pub fn bind_thread_described(provider: &dyn TopologyProvider, locality: &Locality) -> String {
     let Some(cpus) = locality.cpuset.as_deref().filter(|_| locality.is_known()) else {
-        return format!(
-            "not bound: locality unknown ({})",
-            locality.note.as_deref().unwrap_or("no reason given")
-        );
+        return "not bound: NUMA locality unknown".to_string();
     };
     match provider.bind_current_thread(locality) {
         Ok(()) if provider.binds_for_real() => format!("cpuset {cpus}"),
@@ -251,6 +248,20 @@ pub fn bind_thread_described(provider: &dyn TopologyProvider, locality: &Localit
             provider.name()
         ),
         Err(e) => format!("not bound: binding cpuset {cpus} failed: {e}"),
+    }
+}
+
+/// What an I/O thread of one drive binds itself to when it starts.
+#[derive(Debug, Clone)]
+pub(crate) struct ThreadPlacement {
+    pub provider: Provider,
+    pub locality: Locality,
+}
+
+impl ThreadPlacement {
+    /// Binds the calling thread; says what happened.
+    pub fn apply(&self) -> String {
+        bind_thread_described(&*self.provider, &self.locality)
     }
 }
 
@@ -520,8 +531,8 @@ mod hwloc_impl {
                 return Locality::unknown(
                     src,
                     format!(
-                        "no hwloc block device named {name}{} in the topology (not a block device, or hwloc cannot see it)",
-                        dev_id.map(|d| format!(" or with LinuxDeviceID {d}")).unwrap_or_default()
+                        "no hwloc block device {name}{} (not a block device, or hwloc cannot see it)",
+                        dev_id.map(|d| format!(" or LinuxDeviceID {d}")).unwrap_or_default()
                     ),
                 );
             };
@@ -531,7 +542,7 @@ mod hwloc_impl {
             if anc.parent().is_none() {
                 return Locality::unknown(
                     src,
-                    format!("{name}: hwloc attaches it to the whole machine (no NUMA locality reported; typical of virtual disks)"),
+                    format!("{name}: hwloc attaches it to the whole machine (no locality reported; typical of virtual disks)"),
                 );
             }
             let (Some(cpus), Some(nodes)) = (anc.cpuset(), anc.nodeset()) else {
