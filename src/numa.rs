@@ -259,9 +259,15 @@ pub(crate) struct ThreadPlacement {
 }
 
 impl ThreadPlacement {
-    /// Binds the calling thread; says what happened.
+    /// Binds the calling thread; says what happened (a failed binding of
+    /// a known locality is also warned, once per process).
     pub fn apply(&self) -> String {
-        bind_thread_described(&*self.provider, &self.locality)
+        let b = bind_thread_described(&*self.provider, &self.locality);
+        if b.starts_with("not bound: binding") {
+            static WARNED: std::sync::Once = std::sync::Once::new();
+            WARNED.call_once(|| tracing::warn!("I/O thread {b} (reported per drive as thread_binding in the stats)"));
+        }
+        b
     }
 }
 
