@@ -293,6 +293,51 @@ mod with_hwloc {
         }
     }
 
+    /// Live binding is real: a thread bound to CPU 0 runs only there (the
+    /// kernel's own view, /proc/thread-self/status), and an arena bound to
+    /// node 0 (which every Linux machine has) is made; a node the machine
+    /// lacks is refused.
+    #[test]
+    fn live_binding_binds_the_thread_and_the_memory() {
+        let p = Hwloc::live().unwrap();
+        let allowed = || {
+            std::fs::read_to_string("/proc/thread-self/status")
+                .unwrap()
+                .lines()
+                .find_map(|l| l.strip_prefix("Cpus_allowed_list:").map(|v| v.trim().to_string()))
+                .unwrap()
+        };
+        let l = weightstream::numa::Locality {
+            node: Some(0),
+            cpuset: Some("0".into()),
+            nodeset: Some("0".into()),
+            source: "test",
+            note: None,
+        };
+        let p2 = xml(HashMap::new());
+        let (bound, after, xml_after) = std::thread::scope(|s| {
+            s.spawn(|| {
+                let before = allowed();
+                let b = bind_thread_described(&p, &l);
+                let after = allowed();
+                // An XML provider changes nothing, even for a valid cpuset.
+                let _ = bind_thread_described(&p2, &l);
+                (b, after, (before, allowed()))
+            })
+            .join()
+            .unwrap()
+        });
+        assert_eq!(bound, "cpuset 0");
+        assert_eq!(after, "0");
+        assert_eq!(xml_after.1, "0", "the XML provider did not rebind");
+        let arena = weightstream::Arena::new_on_node(weightstream::SlotSpec::new(1 << 20), 2, 0, |a| p.bind_area(a, 0))
+            .unwrap();
+        assert_eq!(arena.node(), Some(0));
+        let e = weightstream::Arena::new_on_node(weightstream::SlotSpec::new(4096), 1, 4095, |a| p.bind_area(a, 4095))
+            .unwrap_err();
+        assert!(e.to_string().contains("not in the topology"), "{e}");
+    }
+
     /// WEIGHTSTREAM_NUMA_XML / WEIGHTSTREAM_NUMA_DEVICE_MAP reach the CLI:
     /// inspect shows each drive's node, cpuset and ring binding.
     #[test]
