@@ -83,6 +83,9 @@ struct Mapping {
     spec: SlotSpec,
     slot_len: usize,
     count: usize,
+    /// The NUMA node the pages are bound to (`None`: wherever first touch
+    /// put them).
+    node: Option<usize>,
     free: Mutex<Vec<usize>>,
     /// Run when the mapping goes (no slot or arena handle left): engines
     /// unregister the arena's fixed buffers here.
@@ -106,11 +109,36 @@ impl Drop for Mapping {
         for h in hooks {
             h();
         }
-        // SAFETY: `ptr`/`map_len` are exactly the mapping made in `Arena::new`,
+        // SAFETY: `ptr`/`map_len` are exactly the mapping made by `map`,
         // and no `Slot` exists any more (each holds an `Arc<Mapping>`), so
         // nothing can reach the memory after this.
         let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast(), self.map_len) };
     }
+}
+
+/// One anonymous private mapping for `count` slots of `spec`: (base, length,
+/// slot length). `populate` faults every page in now.
+fn map(spec: SlotSpec, count: usize, populate: bool) -> Result<(NonNull<u8>, usize, usize)> {
+    spec.validate()?;
+    if count == 0 {
+        return Err(Error::Config("an arena needs at least one slot".into()));
+    }
+    let slot_len = spec.slot_len();
+    let len = slot_len
+        .checked_mul(count)
+        .ok_or_else(|| Error::Config(format!("{count} slots of {slot_len} bytes overflow the address space")))?;
+    let flags = if populate {
+        MapFlags::PRIVATE | MapFlags::POPULATE
+    } else {
+        MapFlags::PRIVATE
+    };
+    // SAFETY: a fresh anonymous private mapping at an address of the
+    // kernel's choosing aliases no existing memory.
+    let ptr =
+        unsafe { rustix::mm::mmap_anonymous(std::ptr::null_mut(), len, ProtFlags::READ | ProtFlags::WRITE, flags) }
+            .map_err(|e| Error::io("<anonymous arena>", "mmap", e))?;
+    let ptr = NonNull::new(ptr.cast::<u8>()).expect("mmap never returns null on success");
+    Ok((ptr, len, slot_len))
 }
 
 /// A set of equally sized, page-aligned slots in one anonymous mapping.
@@ -133,27 +161,46 @@ impl Arena {
     /// Maps `count` slots of `spec`, faulted in up front so the first read
     /// does not pay page faults.
     pub fn new(spec: SlotSpec, count: usize) -> Result<Self> {
-        spec.validate()?;
-        if count == 0 {
-            return Err(Error::Config("an arena needs at least one slot".into()));
+        let (ptr, len, slot_len) = map(spec, count, true)?;
+        Ok(Arena::from_mapping(ptr, len, spec, slot_len, count, None))
+    }
+
+    /// Maps `count` slots of `spec` without faulting them in, runs `bind`
+    /// on the untouched mapping (a NUMA memory policy for node `node`), then
+    /// touches every page, so each is allocated under that policy. A `bind`
+    /// error unmaps and is returned.
+    pub fn new_on_node(
+        spec: SlotSpec,
+        count: usize,
+        node: usize,
+        bind: impl FnOnce(&[u8]) -> std::result::Result<(), String>,
+    ) -> Result<Self> {
+        let (ptr, len, slot_len) = map(spec, count, false)?;
+        // Built first so the mapping is unmapped on every error path.
+        let arena = Arena::from_mapping(ptr, len, spec, slot_len, count, Some(node));
+        // SAFETY: `ptr..ptr+len` is the fresh mapping just made, readable and
+        // writable; no slot has been handed out, so nothing else reaches it.
+        // An untouched anonymous page reads as zeros.
+        let area = unsafe { std::slice::from_raw_parts(ptr.as_ptr(), len) };
+        bind(area).map_err(|e| Error::Config(format!("binding an arena of {len} bytes to NUMA node {node}: {e}")))?;
+        let page = page_size();
+        for off in (0..len).step_by(page) {
+            // SAFETY: `off < len`, inside the mapping; no slot exists yet, so
+            // this write aliases nothing. Volatile so the first touch happens.
+            unsafe { std::ptr::write_volatile(ptr.as_ptr().add(off), 0) };
         }
-        let slot_len = spec.slot_len();
-        let len = slot_len
-            .checked_mul(count)
-            .ok_or_else(|| Error::Config(format!("{count} slots of {slot_len} bytes overflow the address space")))?;
-        // SAFETY: a fresh anonymous private mapping at an address of the
-        // kernel's choosing aliases no existing memory.
-        let ptr = unsafe {
-            rustix::mm::mmap_anonymous(
-                std::ptr::null_mut(),
-                len,
-                ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::PRIVATE | MapFlags::POPULATE,
-            )
-        }
-        .map_err(|e| Error::io("<anonymous arena>", "mmap", e))?;
-        let ptr = NonNull::new(ptr.cast::<u8>()).expect("mmap never returns null on success");
-        Ok(Arena {
+        Ok(arena)
+    }
+
+    fn from_mapping(
+        ptr: NonNull<u8>,
+        len: usize,
+        spec: SlotSpec,
+        slot_len: usize,
+        count: usize,
+        node: Option<usize>,
+    ) -> Self {
+        Arena {
             map: Arc::new(Mapping {
                 id: NEXT_ARENA_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
                 ptr,
@@ -161,10 +208,17 @@ impl Arena {
                 spec,
                 slot_len,
                 count,
+                node,
                 free: Mutex::new((0..count).rev().collect()),
                 on_release: Mutex::new(Vec::new()),
             }),
-        })
+        }
+    }
+
+    /// The NUMA node this arena's pages are bound to, when it was made with
+    /// [`Arena::new_on_node`] (or `Engine::arena_on`).
+    pub fn node(&self) -> Option<usize> {
+        self.map.node
     }
 
     pub fn spec(&self) -> SlotSpec {
@@ -291,6 +345,11 @@ impl Slot {
     pub fn arena_id(&self) -> u64 {
         self.map.id
     }
+
+    /// The NUMA node of this slot's arena (see [`Arena::node`]).
+    pub fn node(&self) -> Option<usize> {
+        self.map.node
+    }
 }
 
 impl Drop for Slot {
@@ -332,6 +391,22 @@ mod tests {
         assert_eq!(SlotSpec::new(8192).with_tail_room(true).slot_len(), 12288);
         assert!(Arena::new(SlotSpec::new(1).with_align(1000), 1).is_err());
         assert!(Arena::new(SlotSpec::new(1), 0).is_err());
+    }
+
+    #[test]
+    fn bound_arena_runs_the_hook_before_touching_and_remembers_its_node() {
+        let mut seen = 0;
+        let a = Arena::new_on_node(SlotSpec::new(10_000), 2, 3, |area| {
+            seen = area.len();
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(seen, 2 * 16384);
+        assert_eq!(a.node(), Some(3));
+        assert_eq!(a.take().unwrap().node(), Some(3));
+        assert_eq!(Arena::new(SlotSpec::new(1), 1).unwrap().node(), None);
+        let e = Arena::new_on_node(SlotSpec::new(1), 1, 9, |_| Err("no node 9".into())).unwrap_err();
+        assert!(e.to_string().contains("no node 9"), "{e}");
     }
 
     #[test]

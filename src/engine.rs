@@ -15,6 +15,7 @@ use crate::direct::{self, DirectMode, Loaded};
 use crate::error::{Error, Result};
 use crate::inflight::{Outcome, Request};
 use crate::layout::RoutePolicy;
+use crate::numa::{self, Locality, Provider, ThreadPlacement};
 use crate::queue::{Control, DriveQueue, Io, Job, Target};
 use crate::ring::{self, RingConfig, MAX_FIXED_BUFFERS, MAX_FIXED_BUFFER_BYTES};
 use crate::route;
@@ -37,6 +38,12 @@ struct Touched {
     direct: bool,
     buffered: bool,
 }
+
+/// `adaptive` routing: a copy on a drive of another NUMA node than the
+/// slot's arena costs this much more than a local one, so local copies are
+/// preferred while a remote copy still takes work when the local drive is
+/// busy enough.
+pub const REMOTE_COST_FACTOR: f64 = 1.5;
 
 /// Which I/O backend to use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -66,7 +73,7 @@ impl FromStr for BackendChoice {
 
 /// Engine settings. `Default` suits NVMe; [`EngineConfig::from_env`] reads
 /// `WEIGHTSTREAM_BACKEND`, `WEIGHTSTREAM_QD`, `WEIGHTSTREAM_CHUNK`,
-/// `WEIGHTSTREAM_SQPOLL` and `WEIGHTSTREAM_IOPOLL`.
+/// `WEIGHTSTREAM_SQPOLL`, `WEIGHTSTREAM_IOPOLL` and `WEIGHTSTREAM_NUMA`.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
     pub backend: BackendChoice,
@@ -83,6 +90,13 @@ pub struct EngineConfig {
     pub pread_threads: usize,
     /// Route policy for this engine (default: the model's).
     pub route: Option<RoutePolicy>,
+    /// NUMA placement (default on): each drive's I/O threads bound to the
+    /// drive's cpuset, `arena_on`/`arena_near` bind memory, routing prefers
+    /// local copies. Off: the single-node provider (nothing is bound).
+    pub numa: bool,
+    /// The topology provider; default: [`Provider::from_env`] (live hwloc,
+    /// or `WEIGHTSTREAM_NUMA_XML`).
+    pub numa_provider: Option<Provider>,
 }
 
 impl Default for EngineConfig {
@@ -95,6 +109,8 @@ impl Default for EngineConfig {
             iopoll: false,
             pread_threads: 8,
             route: None,
+            numa: true,
+            numa_provider: None,
         }
     }
 }
@@ -119,6 +135,9 @@ impl EngineConfig {
         if let Some(v) = var("WEIGHTSTREAM_IOPOLL") {
             c.iopoll = matches!(v.trim(), "1" | "on" | "true");
         }
+        if let Some(v) = var("WEIGHTSTREAM_NUMA") {
+            c.numa = !numa::is_off(&v);
+        }
         Ok(c)
     }
 }
@@ -138,6 +157,17 @@ struct DriveIo {
     threads: Vec<JoinHandle<()>>,
     chunk: usize,
     ring: Option<String>,
+    /// What the drive's I/O thread(s) bound themselves to.
+    binding: String,
+}
+
+/// Where one drive is, and what its I/O threads are bound to.
+#[derive(Debug, Clone)]
+pub struct DrivePlacement {
+    pub device: String,
+    pub locality: Locality,
+    /// `cpuset 0-3`, `would bind cpuset 0-3 (...)`, or `not bound: why`.
+    pub thread_binding: String,
 }
 
 /// An arena registered as fixed buffers: `slots_per_buffer` consecutive
@@ -198,6 +228,8 @@ pub struct Engine {
     fixed_files: Feature,
     fixed_buffers_ok: bool,
     registry: Arc<Mutex<Registry>>,
+    provider: Provider,
+    localities: Vec<Locality>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -228,9 +260,40 @@ impl Engine {
                 (c.max(align) / align) * align
             })
             .collect();
+        let provider = if config.numa {
+            config.numa_provider.clone().unwrap_or_else(Provider::from_env)
+        } else {
+            Provider::off("NUMA placement off (--numa off, WEIGHTSTREAM_NUMA=off or EngineConfig::numa)")
+        };
+        let localities: Vec<Locality> = model
+            .drives()
+            .iter()
+            .enumerate()
+            .map(|(i, d)| {
+                let id = model
+                    .files()
+                    .iter()
+                    .find(|f| f.drive == i)
+                    .map(|f| (f.topo.dev_major, f.topo.dev_minor));
+                let l = provider.drive_locality(&d.device, id);
+                match l.node {
+                    Some(n) => tracing::debug!(drive = %d.device, node = n, cpuset = ?l.cpuset, "NUMA locality"),
+                    None => tracing::debug!(drive = %d.device, why = ?l.note, "NUMA locality unknown"),
+                }
+                l
+            })
+            .collect();
+        let placements: Vec<ThreadPlacement> = localities
+            .iter()
+            .map(|l| ThreadPlacement {
+                provider: provider.clone(),
+                locality: l.clone(),
+            })
+            .collect();
+        let nodes: Vec<Option<usize>> = localities.iter().map(|l| l.node).collect();
         let mut reason = None;
         if config.backend != BackendChoice::Pread {
-            match start_rings(model, depth, &config, &chunks) {
+            match start_rings(model, depth, &config, &chunks, &placements, &nodes) {
                 Ok((io, drives, files)) => {
                     let buffers_ok = drives.iter().all(|d| d.1.fixed_buffers.is_ok());
                     let unregistered = drives.iter().find_map(|d| d.1.fixed_buffers.clone().err());
@@ -248,6 +311,8 @@ impl Engine {
                         fixed_files: files,
                         fixed_buffers_ok: buffers_ok,
                         registry: Arc::new(Mutex::new(Registry::new(unregistered))),
+                        provider,
+                        localities,
                     });
                 }
                 Err(e) => {
@@ -267,10 +332,11 @@ impl Engine {
                 }
             }
         }
-        let io = make_io(model, depth, false).map_err(|e| Error::io("<engine>", "eventfd", e))?;
+        let io = make_io(model, depth, false, &nodes).map_err(|e| Error::io("<engine>", "eventfd", e))?;
         let mut drives = Vec::new();
         for (i, &chunk) in chunks.iter().enumerate() {
-            let threads = match crate::pread::start(&io, i, config.pread_threads.min(depth)) {
+            let (threads, binding) = match crate::pread::start(&io, i, config.pread_threads.min(depth), &placements[i])
+            {
                 Ok(t) => t,
                 Err(e) => {
                     stop(&io, &mut drives);
@@ -281,6 +347,7 @@ impl Engine {
                 threads,
                 chunk,
                 ring: None,
+                binding,
             });
         }
         Ok(Engine {
@@ -298,7 +365,54 @@ impl Engine {
             },
             fixed_buffers_ok: false,
             registry: Arc::new(Mutex::new(Registry::new(Some("pread backend".into())))),
+            provider,
+            localities,
         })
+    }
+
+    /// The topology provider this engine placed its drives with.
+    pub fn numa_provider(&self) -> &Provider {
+        &self.provider
+    }
+
+    /// Each drive's locality and its I/O threads' binding, by drive index.
+    pub fn placements(&self) -> Vec<DrivePlacement> {
+        self.localities
+            .iter()
+            .zip(&self.drives)
+            .zip(self.model.drives())
+            .map(|((l, io), d)| DrivePlacement {
+                device: d.device.clone(),
+                locality: l.clone(),
+                thread_binding: io.binding.clone(),
+            })
+            .collect()
+    }
+
+    /// An arena like [`Engine::arena`] whose pages are bound to NUMA node
+    /// `node` before first touch (mmap, bind, then fault in). Reads into its
+    /// slots prefer copies on drives of that node (`adaptive`). With
+    /// placement off (single-node provider) this is a plain arena with no
+    /// node. A node the topology does not have is an error.
+    pub fn arena_on(&self, node: usize, spec: SlotSpec, count: usize) -> Result<Arena> {
+        if !self.provider.places() {
+            return self.arena(spec, count);
+        }
+        let spec = self.engine_spec(spec);
+        let provider = self.provider.clone();
+        let arena = Arena::new_on_node(spec, count, node, |area| provider.bind_area(area, node))?;
+        self.maybe_register(&arena);
+        Ok(arena)
+    }
+
+    /// An arena on the NUMA node of the drive holding `tensor`'s primary
+    /// copy; a plain arena when that drive's node is unknown.
+    pub fn arena_near(&self, tensor: &TensorRef, spec: SlotSpec, count: usize) -> Result<Arena> {
+        let drive = self.model.file_of(tensor)?.drive;
+        match self.localities.get(drive).and_then(|l| l.node) {
+            Some(node) => self.arena_on(node, spec, count),
+            None => self.arena(spec, count),
+        }
     }
 
     /// The model this engine reads.
@@ -328,15 +442,22 @@ impl Engine {
     /// non-root users, or a full table) the arena still works through plain
     /// reads; the reason is warned once and reported in the stats.
     pub fn arena(&self, spec: SlotSpec, count: usize) -> Result<Arena> {
-        let spec = SlotSpec {
+        let arena = Arena::new(self.engine_spec(spec), count)?;
+        self.maybe_register(&arena);
+        Ok(arena)
+    }
+
+    fn engine_spec(&self, spec: SlotSpec) -> SlotSpec {
+        SlotSpec {
             align: spec.align.max(self.model.required_align()),
             ..spec
-        };
-        let arena = Arena::new(spec, count)?;
-        if matches!(self.backend, Backend::Uring) && self.fixed_buffers_ok {
-            self.register(&arena);
         }
-        Ok(arena)
+    }
+
+    fn maybe_register(&self, arena: &Arena) {
+        if matches!(self.backend, Backend::Uring) && self.fixed_buffers_ok {
+            self.register(arena);
+        }
     }
 
     fn register(&self, arena: &Arena) {
@@ -491,10 +612,21 @@ impl Engine {
             }
         }
         let chunk_size = self.drives[primary.drive].chunk;
+        let slot_node = slot.node();
         let target = Target {
             base: slot.base() as usize,
             buf_index: self.buf_index(&slot),
+            node: slot_node,
         };
+        // Per copy: the cost factor of its drive for this slot's node.
+        let mut remote = [1.0f64; MAX_COPIES];
+        if let Some(sn) = slot_node {
+            for (k, &f) in copies[..nc].iter().enumerate() {
+                if matches!(self.localities[model.files()[f].drive].node, Some(dn) if dn != sn) {
+                    remote[k] = REMOTE_COST_FACTOR;
+                }
+            }
+        }
         let n = chunk::count(&w, chunk_size);
         let (pad, len) = (w.pad, w.len);
         let req = Request::new(slot, n);
@@ -525,8 +657,8 @@ impl Engine {
                 RoutePolicy::Adaptive => (0..nc)
                     .map(|k| (turn + k) % nc)
                     .min_by(|&a, &b| {
-                        let ca = self.io.loads[model.files()[copies[a]].drive].cost(ch.len as u64);
-                        let cb = self.io.loads[model.files()[copies[b]].drive].cost(ch.len as u64);
+                        let ca = self.io.loads[model.files()[copies[a]].drive].cost(ch.len as u64) * remote[a];
+                        let cb = self.io.loads[model.files()[copies[b]].drive].cost(ch.len as u64) * remote[b];
                         ca.total_cmp(&cb)
                     })
                     .unwrap_or(0),
@@ -638,9 +770,20 @@ impl Engine {
             enabled: unregistered.is_none(),
             reason: unregistered,
         });
-        for ((d, io), load) in s.drives.iter_mut().zip(&self.drives).zip(&self.io.loads) {
+        for (((d, io), load), l) in s
+            .drives
+            .iter_mut()
+            .zip(&self.drives)
+            .zip(&self.io.loads)
+            .zip(&self.localities)
+        {
             d.ring = io.ring.clone();
             d.throughput_gbps = Some(load.throughput() / 1e9);
+            d.numa_node = l.node;
+            d.cpuset = l.cpuset.clone();
+            d.numa_source = Some(l.source);
+            d.numa_note = l.note.clone();
+            d.thread_binding = Some(io.binding.clone());
         }
         s
     }
@@ -668,7 +811,7 @@ fn stop(io: &Io, drives: &mut [DriveIo]) {
 }
 
 /// The queues (with an eventfd each for rings) and load trackers of every drive.
-fn make_io(model: &Model, depth: usize, eventfd: bool) -> std::io::Result<Arc<Io>> {
+fn make_io(model: &Model, depth: usize, eventfd: bool, nodes: &[Option<usize>]) -> std::io::Result<Arc<Io>> {
     let n = model.drives().len();
     let queues = (0..n)
         .map(|_| {
@@ -684,13 +827,21 @@ fn make_io(model: &Model, depth: usize, eventfd: bool) -> std::io::Result<Arc<Io
         model: model.clone(),
         queues,
         loads: (0..n).map(|_| route::DriveLoad::new(1e9)).collect(),
+        nodes: nodes.to_vec(),
     }))
 }
 
 type RingStart = (Arc<Io>, Vec<(DriveIo, ring::RingSetup)>, Feature);
 
-fn start_rings(model: &Model, depth: usize, config: &EngineConfig, chunks: &[usize]) -> std::io::Result<RingStart> {
-    let io = make_io(model, depth, true)?;
+fn start_rings(
+    model: &Model,
+    depth: usize,
+    config: &EngineConfig,
+    chunks: &[usize],
+    placements: &[ThreadPlacement],
+    nodes: &[Option<usize>],
+) -> std::io::Result<RingStart> {
+    let io = make_io(model, depth, true, nodes)?;
     let mut out: Vec<(DriveIo, ring::RingSetup)> = Vec::new();
     for (i, &chunk) in chunks.iter().enumerate() {
         let iopoll = config.iopoll && device_polls(model, i);
@@ -699,7 +850,7 @@ fn start_rings(model: &Model, depth: usize, config: &EngineConfig, chunks: &[usi
             sqpoll: config.sqpoll,
             iopoll,
         };
-        match ring::start(&io, i, cfg) {
+        match ring::start(&io, i, cfg, placements[i].clone()) {
             Ok((handle, setup)) => {
                 let desc = format!(
                     "{}{}",
@@ -714,6 +865,7 @@ fn start_rings(model: &Model, depth: usize, config: &EngineConfig, chunks: &[usi
                         threads: vec![handle],
                         chunk,
                         ring: Some(desc),
+                        binding: setup.binding.clone(),
                     },
                     setup,
                 ));

@@ -365,6 +365,12 @@ impl Model {
                     share: 0.0,
                     throughput_gbps: None,
                     ring: None,
+                    numa_node: None,
+                    cpuset: None,
+                    numa_source: None,
+                    numa_note: None,
+                    thread_binding: None,
+                    cross_node_bytes: ld(&c.cross_node_bytes),
                 }
             })
             .collect();

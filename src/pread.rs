@@ -6,22 +6,41 @@
 use std::sync::atomic::Ordering;
 use std::thread::JoinHandle;
 
+use crate::numa::ThreadPlacement;
 use crate::queue::{settle, Io, Job};
 use crate::sync::lock_std as lock;
 use crate::Model;
 use std::sync::Arc;
 
-/// Starts `threads` workers for drive `drive`.
-pub(crate) fn start(io: &Arc<Io>, drive: usize, threads: usize) -> std::io::Result<Vec<JoinHandle<()>>> {
+/// Starts `threads` workers for drive `drive`, each bound by `placement`
+/// before it takes work. Returns once every worker has bound itself, with
+/// what the first one bound to (they all bind alike).
+pub(crate) fn start(
+    io: &Arc<Io>,
+    drive: usize,
+    threads: usize,
+    placement: &ThreadPlacement,
+) -> std::io::Result<(Vec<JoinHandle<()>>, String)> {
     let name = format!("ws-pread-{}", io.model.drives()[drive].device);
-    (0..threads.max(1))
+    let (tx, rx) = std::sync::mpsc::channel();
+    let handles = (0..threads.max(1))
         .map(|i| {
             let io = Arc::clone(io);
-            std::thread::Builder::new()
-                .name(format!("{name}-{i}"))
-                .spawn(move || worker(&io, drive))
+            let (tx, placement) = (tx.clone(), placement.clone());
+            std::thread::Builder::new().name(format!("{name}-{i}")).spawn(move || {
+                let _ = tx.send(placement.apply());
+                drop(tx);
+                worker(&io, drive)
+            })
         })
-        .collect()
+        .collect::<std::io::Result<Vec<_>>>()?;
+    drop(tx);
+    let bindings: Vec<String> = rx.iter().take(handles.len()).collect();
+    let binding = bindings
+        .first()
+        .cloned()
+        .unwrap_or_else(|| "not bound: no worker started".into());
+    Ok((handles, binding))
 }
 
 fn worker(io: &Io, drive_index: usize) {

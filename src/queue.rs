@@ -18,6 +18,8 @@ use std::sync::{Condvar, Mutex};
 pub(crate) struct Target {
     pub base: usize,
     pub buf_index: Option<u16>,
+    /// NUMA node of the slot's arena, when bound.
+    pub node: Option<usize>,
 }
 
 /// One chunk to read.
@@ -43,6 +45,8 @@ pub(crate) struct Io {
     pub model: crate::Model,
     pub queues: Vec<std::sync::Arc<DriveQueue>>,
     pub loads: Vec<crate::route::DriveLoad>,
+    /// NUMA node of each drive, when known.
+    pub nodes: Vec<Option<usize>>,
 }
 
 /// Control work that must run on the ring's own thread (a single-issuer
@@ -146,6 +150,11 @@ pub(crate) fn settle(mut job: Job, res: i32, io: &Io, drive_index: usize) -> Opt
     let count = |landed: &crate::chunk::Chunk| {
         let n = payload_bytes(landed, job.pad, job.len);
         DriveCounters::add(&c.bytes, n);
+        if let (Some(a), Some(b)) = (job.target.node, io.nodes.get(file.drive).copied().flatten()) {
+            if a != b {
+                DriveCounters::add(&c.cross_node_bytes, n);
+            }
+        }
         if landed.direct {
             DriveCounters::add(&c.bytes_direct, n);
         } else {

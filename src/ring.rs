@@ -19,6 +19,7 @@ use std::thread::JoinHandle;
 
 use io_uring::{opcode, types, IoUring};
 
+use crate::numa::ThreadPlacement;
 use crate::queue::{settle, Control, DriveQueue, Io, Job};
 use crate::stats::DriveCounters;
 use crate::sync::lock_std as lock;
@@ -46,17 +47,27 @@ pub(crate) struct RingSetup {
     pub flags: String,
     pub fixed_files: Result<(), String>,
     pub fixed_buffers: Result<(), String>,
+    /// What the ring thread bound itself to (see `numa::bind_thread_described`).
+    pub binding: String,
 }
 
 /// Starts the ring thread of drive `drive`. Returns after the ring exists
 /// (or failed to be created: the error is `io_uring_setup`'s).
-pub(crate) fn start(io: &Arc<Io>, drive: usize, cfg: RingConfig) -> std::io::Result<(JoinHandle<()>, RingSetup)> {
+pub(crate) fn start(
+    io: &Arc<Io>,
+    drive: usize,
+    cfg: RingConfig,
+    placement: ThreadPlacement,
+) -> std::io::Result<(JoinHandle<()>, RingSetup)> {
     let (tx, rx) = mpsc::channel();
     let model = &io.model;
     let io2 = Arc::clone(io);
     let handle = std::thread::Builder::new()
         .name(format!("ws-ring-{}", model.drives()[drive].device))
         .spawn(move || {
+            // Bound before the ring exists, so its memory and any kernel
+            // worker it spawns start on the drive's node.
+            let binding = placement.apply();
             let ring = match build(cfg) {
                 Ok(r) => r,
                 Err(e) => {
@@ -69,6 +80,7 @@ pub(crate) fn start(io: &Arc<Io>, drive: usize, cfg: RingConfig) -> std::io::Res
                 flags: ring.1,
                 fixed_files: t.register_files(),
                 fixed_buffers: t.sparse_buffers(),
+                binding,
             };
             let _ = tx.send(Ok(setup));
             t.run();

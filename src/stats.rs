@@ -77,6 +77,9 @@ pub struct DriveCounters {
     /// Chunks issued as plain reads because their slot's arena is not
     /// registered with the ring.
     pub chunks_unregistered: AtomicU64,
+    /// Payload bytes read from this drive into a slot whose arena is bound
+    /// to another NUMA node (both nodes known).
+    pub cross_node_bytes: AtomicU64,
     fallbacks: [AtomicU64; N_CAUSES],
     logged: [AtomicBool; N_CAUSES],
 }
@@ -130,6 +133,21 @@ pub struct DriveStats {
     /// The ring's setup (flags, fixed files), for the io_uring backend.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ring: Option<String>,
+    /// The drive's NUMA node; null when unknown (see `numa_note`).
+    pub numa_node: Option<usize>,
+    /// CPUs local to the drive (list syntax), when known.
+    pub cpuset: Option<String>,
+    /// Which topology provider answered (engines only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub numa_source: Option<&'static str>,
+    /// Why the node is unknown, or what was noticed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub numa_note: Option<String>,
+    /// What the drive's I/O thread(s) are bound to (`cpuset 0-3`, `would
+    /// bind ...` for an XML topology, `not bound: ...`); engines only.
+    pub thread_binding: Option<String>,
+    /// Payload bytes landed in a slot on another NUMA node than this drive's.
+    pub cross_node_bytes: u64,
 }
 
 /// Whether an optional kernel feature is in use, and why not.

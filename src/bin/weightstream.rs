@@ -34,6 +34,9 @@ enum Cmd {
         model_dir: PathBuf,
         #[command(flatten)]
         layout: LayoutArgs,
+        /// NUMA placement shown per drive: on (hwloc, or WEIGHTSTREAM_NUMA_XML) or off (default: WEIGHTSTREAM_NUMA or on).
+        #[arg(long)]
+        numa: Option<String>,
         #[arg(long)]
         json: bool,
     },
@@ -207,6 +210,10 @@ struct EngineArgs {
     /// Completion polling, on drives whose queue/io_poll says they poll.
     #[arg(long)]
     iopoll: bool,
+    /// NUMA placement: on (bind each drive's I/O threads to its node's CPUs,
+    /// prefer local copies) or off (default: WEIGHTSTREAM_NUMA or on).
+    #[arg(long)]
+    numa: Option<String>,
 }
 
 impl EngineArgs {
@@ -227,7 +234,20 @@ impl EngineArgs {
         }
         c.sqpoll |= self.sqpoll;
         c.iopoll |= self.iopoll;
+        if let Some(v) = &self.numa {
+            c.numa = parse_on_off("--numa", v)?;
+        }
         Ok(Some(c))
+    }
+}
+
+fn parse_on_off(what: &str, v: &str) -> Result<bool, weightstream::Error> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "on" | "1" | "true" | "yes" => Ok(true),
+        "off" | "0" | "false" | "no" => Ok(false),
+        other => Err(weightstream::Error::Config(format!(
+            "{what} {other:?}: expected on or off"
+        ))),
     }
 }
 
@@ -279,8 +299,9 @@ fn main() -> ExitCode {
         Cmd::Inspect {
             model_dir,
             layout,
+            numa,
             json,
-        } => inspect(model_dir, &layout, json),
+        } => inspect(model_dir, &layout, numa.as_deref(), json),
         Cmd::Digest {
             model_dir,
             tensors,
@@ -352,8 +373,25 @@ fn main() -> ExitCode {
 
 type CliResult = Result<(), Box<dyn std::error::Error>>;
 
-fn inspect(dir: PathBuf, layout: &LayoutArgs, json: bool) -> CliResult {
+fn inspect(dir: PathBuf, layout: &LayoutArgs, numa: Option<&str>, json: bool) -> CliResult {
     let model = Model::open(layout.config(&dir, None)?)?;
+    // A short-lived engine places the drives exactly as a reading engine
+    // would (its ring threads bind themselves), and reports it.
+    let mut ec = EngineConfig::from_env()?;
+    if let Some(v) = numa {
+        ec.numa = parse_on_off("--numa", v)?;
+    }
+    let engine = match Engine::new(&model, ec) {
+        Ok(e) => Some(e),
+        Err(e) => {
+            tracing::warn!("no engine to show NUMA placement: {e}");
+            None
+        }
+    };
+    let drive_stats = engine
+        .as_ref()
+        .map_or_else(|| model.stats().drives, |e| e.stats().drives);
+    let provider = engine.as_ref().map(|e| e.numa_provider().name());
     let cat = model.catalog();
     let copy_json = |f: &weightstream::model::ShardFile| {
         serde_json::json!({
@@ -398,7 +436,8 @@ fn inspect(dir: PathBuf, layout: &LayoutArgs, json: bool) -> CliResult {
             "route": model.route().name(),
             "weights": model.rank_weights(),
             "refused_copies": refused,
-            "drives": model.stats().drives,
+            "numa_provider": provider,
+            "drives": drive_stats,
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
@@ -457,7 +496,7 @@ fn inspect(dir: PathBuf, layout: &LayoutArgs, json: bool) -> CliResult {
             c.reason.as_deref().unwrap_or("?")
         )?;
     }
-    for d in model.drives() {
+    for (d, st) in model.drives().iter().zip(&drive_stats) {
         writeln!(
             out,
             "drive {} ({}, {}): dio align {}, O_DIRECT on every file: {}",
@@ -466,6 +505,19 @@ fn inspect(dir: PathBuf, layout: &LayoutArgs, json: bool) -> CliResult {
             d.mount.display(),
             d.dio_align,
             d.direct_open
+        )?;
+        let Some(provider) = &provider else { continue };
+        let node = match (st.numa_node, &st.numa_note) {
+            (Some(n), _) => format!("NUMA node {n}"),
+            (None, Some(why)) => format!("NUMA node unknown ({why})"),
+            (None, None) => "NUMA node unknown".to_string(),
+        };
+        writeln!(
+            out,
+            "  {node}, cpuset {} [{provider}]; {} thread: {}",
+            st.cpuset.as_deref().unwrap_or("-"),
+            if st.ring.is_some() { "ring" } else { "pread" },
+            st.thread_binding.as_deref().unwrap_or("-")
         )?;
     }
     Ok(())

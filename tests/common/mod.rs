@@ -183,7 +183,7 @@ pub fn bin() -> PathBuf {
 /// without them so the arguments alone decide (a developer's
 /// `WEIGHTSTREAM_MIRROR` or `WEIGHTSTREAM_ROUTE` must never leak into a
 /// test's layout).
-pub const ENV_KNOBS: [&str; 12] = [
+pub const ENV_KNOBS: [&str; 15] = [
     "WEIGHTSTREAM_LOG",
     "WEIGHTSTREAM_BACKEND",
     "WEIGHTSTREAM_QD",
@@ -196,6 +196,9 @@ pub const ENV_KNOBS: [&str; 12] = [
     "WEIGHTSTREAM_DISK_WEIGHTS",
     "WEIGHTSTREAM_ROUTE",
     "WEIGHTSTREAM_DIRECT",
+    "WEIGHTSTREAM_NUMA",
+    "WEIGHTSTREAM_NUMA_XML",
+    "WEIGHTSTREAM_NUMA_DEVICE_MAP",
 ];
 
 /// `cmd` with the [`ENV_KNOBS`] removed.
