@@ -808,6 +808,21 @@ fn stop(io: &Io, drives: &mut [DriveIo]) {
             let _ = t.join();
         }
     }
+    // A chunk moved to another drive by failover while that drive's thread
+    // was already exiting is still queued. No thread is left and the kernel
+    // never saw it, so it fails here: its ticket gets an error, not a hang.
+    for q in &io.queues {
+        let stranded = std::mem::take(&mut lock(&q.jobs).reads);
+        for job in stranded {
+            let path = &io.model.files()[job.chunk.file as usize].path;
+            job.req.fail(Error::io(
+                path,
+                "read",
+                std::io::Error::other("the engine was dropped before this chunk could be retried on another copy"),
+            ));
+            job.req.chunk_done();
+        }
+    }
 }
 
 /// The queues (with an eventfd each for rings) and load trackers of every drive.
