@@ -240,3 +240,11 @@ fn read_index(dir: &Path) -> Result<Option<HashMap<String, String>>> {
     let idx: Index = serde_json::from_str(&text).map_err(|e| Error::catalog(&path, format!("invalid index: {e}")))?;
     Ok(Some(idx.weight_map))
 }
+
+/// The number right after `key` in a tensor name (`index_after("model.layers.12.mlp", "layers.")`
+/// is 12): layer and expert ids for routing keys and layer striping.
+pub fn index_after(name: &str, key: &str) -> Option<u64> {
+    let rest = &name[name.find(key)? + key.len()..];
+    let end = rest.find(|c: char| !c.is_ascii_digit()).unwrap_or(rest.len());
+    rest[..end].parse().ok()
+}

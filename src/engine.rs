@@ -695,7 +695,7 @@ impl Engine {
                 touched[ti].buffered = true;
             }
             if target.buf_index.is_none() && matches!(self.backend, Backend::Uring) {
-                ring::count_unregistered(&model.drives()[d].counters, 1);
+                DriveCounters::add(&model.drives()[d].counters.chunks_unregistered, 1);
             }
             let q = &self.io.queues[d];
             if !q.credits.try_acquire() {

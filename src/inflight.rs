@@ -72,13 +72,6 @@ impl<S> Request<S> {
         }
     }
 
-    /// Adds chunks to a request before its last chunk completes (a resubmit
-    /// that splits a chunk). The caller must still own one pending chunk.
-    #[allow(dead_code)]
-    pub(crate) fn add_chunks(&self, n: usize) {
-        self.pending.fetch_add(n, Ordering::Relaxed);
-    }
-
     /// One chunk is finished (landed or failed). Returns true for the one
     /// call that completed the request and published it.
     pub fn chunk_done(&self) -> bool {

@@ -153,27 +153,39 @@ impl ModelConfig {
     /// `WEIGHTSTREAM_MIRROR`, `WEIGHTSTREAM_DISK_WEIGHTS`, `WEIGHTSTREAM_ROUTE`
     /// and `WEIGHTSTREAM_DIRECT`; lists are `;`- or `,`-separated.
     pub fn from_env() -> Result<Self> {
-        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
-        let primary = var("WEIGHTSTREAM_MODEL")
+        let primary = env_var("WEIGHTSTREAM_MODEL")
             .ok_or_else(|| Error::Config("WEIGHTSTREAM_MODEL is not set (the primary model directory)".into()))?;
-        let mut c = ModelConfig::new(primary.trim());
-        if let Some(v) = var("WEIGHTSTREAM_MODEL_DIRS") {
-            c.dirs = split_list(&v).into_iter().map(PathBuf::from).collect();
-        }
-        if let Some(v) = var("WEIGHTSTREAM_MIRROR") {
-            c.mirrors = split_list(&v).into_iter().map(PathBuf::from).collect();
-        }
-        if let Some(v) = var("WEIGHTSTREAM_DISK_WEIGHTS") {
-            c.weights = v.parse()?;
-        }
-        if let Some(v) = var("WEIGHTSTREAM_ROUTE") {
-            c.route = v.parse()?;
-        }
-        if let Some(v) = var("WEIGHTSTREAM_DIRECT") {
-            c.direct = v.parse()?;
-        }
-        Ok(c)
+        ModelConfig::new(primary.trim()).settings(env_var)
     }
+
+    /// Applies `WEIGHTSTREAM_MODEL_DIRS`, `_MIRROR`, `_DISK_WEIGHTS`, `_ROUTE`
+    /// and `_DIRECT` as `get` answers them: the one parser behind
+    /// [`ModelConfig::from_env`] and the CLI (whose flags shadow the
+    /// variables). Unset or blank values leave the field as it is.
+    pub fn settings(mut self, get: impl Fn(&str) -> Option<String>) -> Result<Self> {
+        let get = |k: &str| get(k).filter(|v| !v.trim().is_empty());
+        if let Some(v) = get("WEIGHTSTREAM_MODEL_DIRS") {
+            self.dirs = split_list(&v).into_iter().map(PathBuf::from).collect();
+        }
+        if let Some(v) = get("WEIGHTSTREAM_MIRROR") {
+            self.mirrors = split_list(&v).into_iter().map(PathBuf::from).collect();
+        }
+        if let Some(v) = get("WEIGHTSTREAM_DISK_WEIGHTS") {
+            self.weights = v.parse()?;
+        }
+        if let Some(v) = get("WEIGHTSTREAM_ROUTE") {
+            self.route = v.parse()?;
+        }
+        if let Some(v) = get("WEIGHTSTREAM_DIRECT") {
+            self.direct = v.parse()?;
+        }
+        Ok(self)
+    }
+}
+
+/// A variable of the environment, if set (to anything but blanks).
+pub fn env_var(k: &str) -> Option<String> {
+    std::env::var(k).ok().filter(|v| !v.trim().is_empty())
 }
 
 /// What a directory is for.

@@ -550,11 +550,7 @@ fn prove_copy(path: &Path, shard: &ShardInfo) -> std::result::Result<File, Strin
 /// tensor's catalog index: a flat index spreads the experts one decode step
 /// touches across copies, where an XOR of the two ids clusters them.
 fn group_keys(cat: &Catalog) -> Vec<u64> {
-    let parse = |name: &str, key: &str| -> Option<u64> {
-        let i = name.find(key)? + key.len();
-        let digits: String = name[i..].chars().take_while(|c| c.is_ascii_digit()).collect();
-        digits.parse().ok()
-    };
+    let parse = catalog::index_after;
     let ids: Vec<Option<(u64, u64)>> = cat
         .tensors()
         .iter()

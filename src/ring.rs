@@ -21,7 +21,6 @@ use io_uring::{opcode, types, IoUring};
 
 use crate::numa::ThreadPlacement;
 use crate::queue::{settle, Control, DriveQueue, Io, Job};
-use crate::stats::DriveCounters;
 use crate::sync::lock_std as lock;
 use crate::Model;
 use std::sync::Arc;
@@ -401,9 +400,4 @@ impl RingThread {
         reaped.clear();
         self.reaped = reaped;
     }
-}
-
-/// Counts a chunk issued without a registered buffer.
-pub(crate) fn count_unregistered(c: &DriveCounters, n: u64) {
-    DriveCounters::add(&c.chunks_unregistered, n);
 }

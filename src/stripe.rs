@@ -7,7 +7,7 @@
 //! primary and `dirs = roots[1..]`, and the engine reads each layer from the
 //! drive it was placed on (mirrors, if any, still spread the chunks).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 /// Most layers kept in flight by default, however many roots there are.
 pub const MAX_READAHEAD: usize = 8;
@@ -28,17 +28,7 @@ pub fn readahead_default(roots: usize) -> usize {
 
 /// The decoder layer a tensor name belongs to (`...layers.{L}...`), if any.
 pub fn layer_of(name: &str) -> Option<usize> {
-    let i = name.find("layers.")? + "layers.".len();
-    let digits: String = name[i..].chars().take_while(|c| c.is_ascii_digit()).collect();
-    digits.parse().ok()
-}
-
-/// Whether `path` is one of `roots` (by canonical path).
-pub fn is_root(path: &Path, roots: &[PathBuf]) -> bool {
-    let p = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
-    roots
-        .iter()
-        .any(|r| std::fs::canonicalize(r).unwrap_or_else(|_| r.clone()) == p)
+    crate::catalog::index_after(name, "layers.").map(|l| l as usize)
 }
 
 #[cfg(test)]

@@ -165,26 +165,24 @@ struct LayoutArgs {
 }
 
 impl LayoutArgs {
+    /// The model configuration: each flag given shadows its variable.
     fn config(&self, dir: &std::path::Path, direct: Option<DirectMode>) -> Result<ModelConfig, weightstream::Error> {
-        use weightstream::layout::split_list;
-        let env = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
-        let mut c = ModelConfig::new(dir);
-        if let Some(v) = self.dirs.clone().or_else(|| env("WEIGHTSTREAM_MODEL_DIRS")) {
-            c.dirs = split_list(&v).into_iter().map(PathBuf::from).collect();
-        }
-        if let Some(v) = self.mirror.clone().or_else(|| env("WEIGHTSTREAM_MIRROR")) {
-            c.mirrors = split_list(&v).into_iter().map(PathBuf::from).collect();
-        }
-        if let Some(v) = self.weights.clone().or_else(|| env("WEIGHTSTREAM_DISK_WEIGHTS")) {
-            c.weights = v.parse()?;
-        }
-        if let Some(v) = self.route.clone().or_else(|| env("WEIGHTSTREAM_ROUTE")) {
-            c.route = v.parse()?;
-        }
-        if let Some(d) = direct {
-            c.direct = d;
-        }
-        Ok(c)
+        let c = ModelConfig::new(dir).settings(|k| {
+            let flag = match k {
+                "WEIGHTSTREAM_MODEL_DIRS" => &self.dirs,
+                "WEIGHTSTREAM_MIRROR" => &self.mirror,
+                "WEIGHTSTREAM_DISK_WEIGHTS" => &self.weights,
+                "WEIGHTSTREAM_ROUTE" => &self.route,
+                // --direct (digest) always says; other commands follow the variable.
+                "WEIGHTSTREAM_DIRECT" if direct.is_some() => return None,
+                _ => &None,
+            };
+            flag.clone().or_else(|| weightstream::layout::env_var(k))
+        })?;
+        Ok(match direct {
+            Some(d) => c.direct(d),
+            None => c,
+        })
     }
 }
 
