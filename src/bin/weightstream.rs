@@ -817,12 +817,10 @@ fn demo(dir: Option<PathBuf>, size: u64, keep: bool) -> CliResult {
         .filter(|t| t.name.contains(".experts."))
         .collect();
     let arena = Arena::new(model.slot_spec_for_largest(".experts."), 1)?;
-    let (mut bytes, mut read_s, mut bad) = (0u64, 0f64, 0usize);
+    let (mut bytes, mut bad) = (0u64, 0usize);
     for t in &experts {
         let slot = arena.take().expect("one slot, returned after each read");
-        let t1 = Instant::now();
         let loaded = model.read_sync(t, slot)?;
-        read_s += t1.elapsed().as_secs_f64();
         bytes += loaded.len() as u64;
         if !synth::verify(spec.seed, &t.name, &loaded) {
             bad += 1;
@@ -831,11 +829,10 @@ fn demo(dir: Option<PathBuf>, size: u64, keep: bool) -> CliResult {
     }
     let st = model.stats();
     println!(
-        "read {} expert tensors, {:.1} MB in {:.2}s ({:.2} GB/s, one read at a time), every byte verified: {}",
+        "read {} expert tensors ({:.1} MB) in place with the synchronous reference path, every byte verified: {} \
+         (speed: see the headline below, measured against the device ceiling)",
         experts.len(),
         bytes as f64 / 1e9 * 1e3,
-        read_s,
-        bytes as f64 / 1e9 / read_s.max(1e-9),
         if bad == 0 {
             "ok".to_string()
         } else {
