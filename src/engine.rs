@@ -13,6 +13,7 @@ use crate::catalog::TensorRef;
 use crate::chunk;
 use crate::direct::{self, DirectMode, Loaded};
 use crate::error::{Error, Result};
+use crate::fork::Origin;
 use crate::inflight::{Outcome, Request};
 use crate::layout::RoutePolicy;
 use crate::numa::{self, Locality, Provider, ThreadPlacement};
@@ -71,6 +72,61 @@ impl FromStr for BackendChoice {
     }
 }
 
+/// Completion polling: a polled ring busy-polls the device for
+/// completions instead of taking interrupts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum IoPoll {
+    /// Interrupt-driven completions.
+    #[default]
+    Off,
+    /// Polled rings on drives whose queue polls (`queue/io_poll` is 1).
+    Auto,
+    /// Polled rings on every drive, even one whose queue does not poll (its
+    /// completions still arrive by interrupt; the ring polls for them).
+    /// For testing the polled path on any device.
+    Force,
+}
+
+impl FromStr for IoPoll {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "0" | "off" | "false" => Ok(IoPoll::Off),
+            "1" | "on" | "true" | "auto" => Ok(IoPoll::Auto),
+            "force" => Ok(IoPoll::Force),
+            other => Err(Error::Config(format!(
+                "iopoll {other:?}: expected off, auto (on) or force"
+            ))),
+        }
+    }
+}
+
+/// A fault to inject into a drive's I/O, for tests of the failure model
+/// (not a stable API).
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// The drive's I/O thread panics: a ring with its chunks in flight, a
+    /// pread worker with a chunk in hand.
+    PanicIoThread,
+    /// Every later `io_uring_enter` of the drive's ring fails with this
+    /// errno (0 clears the fault).
+    EnterFails(i32),
+}
+
+/// What a bounded [`Engine::shutdown`] achieved.
+#[derive(Debug, Clone)]
+pub struct ShutdownReport {
+    /// Every I/O thread finished within the timeout: nothing is in flight.
+    pub drained: bool,
+    /// Per drive whose I/O thread(s) did not finish in time: the device and
+    /// the chunks still in flight there. Those threads were detached: they
+    /// keep the memory the kernel may write (slots, rings) until the kernel
+    /// completes the reads, which on a hung device is never (a leak, never
+    /// an early free).
+    pub left_in_flight: Vec<(String, usize)>,
+}
+
 /// Engine settings. `Default` suits NVMe; [`EngineConfig::from_env`] reads
 /// `WEIGHTSTREAM_BACKEND`, `WEIGHTSTREAM_QD`, `WEIGHTSTREAM_CHUNK`,
 /// `WEIGHTSTREAM_SQPOLL`, `WEIGHTSTREAM_IOPOLL` and `WEIGHTSTREAM_NUMA`.
@@ -84,8 +140,8 @@ pub struct EngineConfig {
     pub chunk: Option<usize>,
     /// Kernel-side submission polling (costs a core per ring); off by default.
     pub sqpoll: bool,
-    /// Completion polling, used only where the device polls (`queue/io_poll`).
-    pub iopoll: bool,
+    /// Completion polling (IOPOLL rings): off by default.
+    pub iopoll: IoPoll,
     /// Worker threads per drive for the pread backend.
     pub pread_threads: usize,
     /// Route policy for this engine (default: the model's).
@@ -106,7 +162,7 @@ impl Default for EngineConfig {
             queue_depth: 32,
             chunk: None,
             sqpoll: false,
-            iopoll: false,
+            iopoll: IoPoll::Off,
             pread_threads: 8,
             route: None,
             numa: true,
@@ -133,7 +189,7 @@ impl EngineConfig {
             c.sqpoll = matches!(v.trim(), "1" | "on" | "true");
         }
         if let Some(v) = var("WEIGHTSTREAM_IOPOLL") {
-            c.iopoll = matches!(v.trim(), "1" | "on" | "true");
+            c.iopoll = v.parse()?;
         }
         if let Some(v) = var("WEIGHTSTREAM_NUMA") {
             c.numa = !numa::is_off(&v);
@@ -230,6 +286,8 @@ pub struct Engine {
     registry: Arc<Mutex<Registry>>,
     provider: Provider,
     localities: Vec<Locality>,
+    /// Where the engine was made (fork detection).
+    origin: Origin,
 }
 
 impl std::fmt::Debug for Engine {
@@ -313,13 +371,22 @@ impl Engine {
                         registry: Arc::new(Mutex::new(Registry::new(unregistered))),
                         provider,
                         localities,
+                        origin: Origin::here(),
                     });
                 }
-                Err(e) => {
+                Err(ring::StartError::Spawn(e)) => return Err(spawn_error(model, e)),
+                Err(ring::StartError::Setup(e)) => {
                     let hint = match e.raw_os_error() {
-                        Some(libc::EPERM) => ": kernel.io_uring_disabled or a seccomp profile",
-                        Some(libc::ENOSYS) => ": kernel without io_uring or a seccomp profile",
-                        _ => "",
+                        Some(libc::EPERM) => ": kernel.io_uring_disabled or a seccomp profile".to_string(),
+                        Some(libc::ENOSYS) => ": kernel without io_uring or a seccomp profile".to_string(),
+                        Some(libc::ENOMEM) => {
+                            let (soft, _) = memlock_limit();
+                            format!(
+                                ": out of memory, or RLIMIT_MEMLOCK ({}) too low for the rings (kernels before 5.12 charge rings to it; raise `ulimit -l`)",
+                                soft.map_or("unlimited".to_string(), |s| format!("{} KiB", s / 1024))
+                            )
+                        }
+                        _ => String::new(),
                     };
                     if config.backend != BackendChoice::Auto {
                         return Err(Error::Config(format!(
@@ -340,7 +407,7 @@ impl Engine {
                 Ok(t) => t,
                 Err(e) => {
                     stop(&io, &mut drives);
-                    return Err(Error::io("<pread pool>", "spawn worker", e));
+                    return Err(spawn_error(model, e));
                 }
             };
             drives.push(DriveIo {
@@ -367,6 +434,7 @@ impl Engine {
             registry: Arc::new(Mutex::new(Registry::new(Some("pread backend".into())))),
             provider,
             localities,
+            origin: Origin::here(),
         })
     }
 
@@ -395,6 +463,7 @@ impl Engine {
     /// placement off (single-node provider) this is a plain arena with no
     /// node. A node the topology does not have is an error.
     pub fn arena_on(&self, node: usize, spec: SlotSpec, count: usize) -> Result<Arena> {
+        self.origin.check()?;
         if !self.provider.places() {
             return self.arena(spec, count);
         }
@@ -442,6 +511,7 @@ impl Engine {
     /// non-root users, or a full table) the arena still works through plain
     /// reads; the reason is warned once and reported in the stats.
     pub fn arena(&self, spec: SlotSpec, count: usize) -> Result<Arena> {
+        self.origin.check()?;
         let arena = Arena::new(self.engine_spec(spec), count)?;
         self.maybe_register(&arena);
         Ok(arena)
@@ -460,29 +530,28 @@ impl Engine {
         }
     }
 
+    /// Registers `arena` with every running ring. No lock is held while a
+    /// ring thread is asked (a ring thread may itself need the registry: an
+    /// arena's release hook runs wherever its last slot is dropped).
     fn register(&self, arena: &Arena) {
         let slot_len = arena.slot_len();
         let (base, _) = arena.region();
-        let mut reg = lock(&self.registry);
-        let refuse = |reg: &mut Registry, why: String| {
+        let refuse = |why: String| {
+            let mut reg = lock(&self.registry);
             if reg.unregistered.is_none() {
                 tracing::warn!("arena of {} bytes not registered as fixed buffers: {why}; its reads use plain Read (counted as chunks_unregistered)", arena.len() * slot_len);
             }
             reg.unregistered = Some(why);
         };
         if slot_len > MAX_FIXED_BUFFER_BYTES {
-            return refuse(
-                &mut reg,
-                format!("a slot of {slot_len} bytes exceeds the 1 GiB fixed-buffer limit"),
-            );
+            return refuse(format!(
+                "a slot of {slot_len} bytes exceeds the 1 GiB fixed-buffer limit"
+            ));
         }
         let per = (MAX_FIXED_BUFFER_BYTES / slot_len).max(1);
         let n = arena.len().div_ceil(per) as u32;
-        let Some(first) = reg.alloc(n) else {
-            return refuse(
-                &mut reg,
-                format!("the fixed-buffer table ({MAX_FIXED_BUFFERS} entries) is full"),
-            );
+        let Some(first) = lock(&self.registry).alloc(n) else {
+            return refuse(format!("the fixed-buffer table ({MAX_FIXED_BUFFERS} entries) is full"));
         };
         let iovecs: Vec<(usize, usize)> = (0..n as usize)
             .map(|k| {
@@ -491,15 +560,24 @@ impl Engine {
                 (base as usize + first_slot * slot_len, slots * slot_len)
             })
             .collect();
+        let mut took = Vec::with_capacity(self.io.queues.len());
         for (i, q) in self.io.queues.iter().enumerate() {
             let (tx, rx) = std::sync::mpsc::channel();
-            q.push_control(Control::RegisterBuffers {
+            let pushed = q.push_control(Control::RegisterBuffers {
                 first,
                 iovecs: iovecs.clone(),
                 reply: tx,
             });
+            if pushed.is_err() {
+                continue; // a stopped drive: no read goes there any more
+            }
             let failed = match rx.recv() {
-                Ok(Ok(())) => None,
+                Ok(Ok(())) => {
+                    took.push(i);
+                    None
+                }
+                Ok(Err(e)) if e.to_string() == crate::queue::DRIVE_CLOSED => None,
+                Err(_) => None, // the thread stopped without answering
                 Ok(Err(e)) if e.raw_os_error() == Some(libc::ENOMEM) => {
                     let (soft, _) = memlock_limit();
                     let need_kib = ((arena.len() * slot_len).div_ceil(1024) * self.drives.len()) as u64;
@@ -511,18 +589,17 @@ impl Engine {
                     ))
                 }
                 Ok(Err(e)) => Some(format!("register_buffers_update: {e}")),
-                Err(_) => Some("ring thread gone".into()),
             };
             if let Some(why) = failed {
                 // Undo the rings that took it, and give the range back.
-                for q in &self.io.queues[..i] {
-                    q.push_control(Control::UnregisterBuffers { first, n });
+                for &j in &took {
+                    let _ = self.io.queues[j].push_control(Control::UnregisterBuffers { first, n });
                 }
-                reg.holes.push((first, n));
-                return refuse(&mut reg, why);
+                lock(&self.registry).holes.push((first, n));
+                return refuse(why);
             }
         }
-        reg.arenas.push(ArenaReg {
+        lock(&self.registry).arenas.push(ArenaReg {
             id: arena.id(),
             slots_per_buffer: per,
             first,
@@ -531,19 +608,28 @@ impl Engine {
         // When the arena goes, empty its entries in every ring (unpinning the
         // pages and returning the locked-memory charge) and free the range.
         // Control messages run in order per ring, so a later registration of
-        // the same range always follows the unregistration.
+        // the same range always follows the unregistration. This may run on
+        // a ring thread (its last slot dropped there): it holds the registry
+        // only while it queues the unregistrations (no waiting), and nobody
+        // holds the registry while waiting for a ring.
         let registry = Arc::downgrade(&self.registry);
         let queues: Vec<_> = self.io.queues.iter().map(Arc::downgrade).collect();
         let id = arena.id();
+        let origin = self.origin;
         arena.on_release(move || {
+            if origin.forked() {
+                return; // a child has no rings, and the registry lock may be held forever
+            }
             let Some(registry) = registry.upgrade() else { return };
             let mut reg = lock(&registry);
             let Some(i) = reg.arenas.iter().position(|a| a.id == id) else {
                 return;
             };
             let a = reg.arenas.swap_remove(i);
+            // Queued before the range is free again, so in every ring this
+            // unregistration precedes any later registration of the range.
             for q in queues.iter().filter_map(|q| q.upgrade()) {
-                q.push_control(Control::UnregisterBuffers { first: a.first, n: a.n });
+                let _ = q.push_control(Control::UnregisterBuffers { first: a.first, n: a.n });
             }
             reg.holes.push((a.first, a.n));
         });
@@ -569,15 +655,12 @@ impl Engine {
 
     /// [`Engine::read`] with a caller-supplied group key for `hash` routing.
     pub fn read_keyed(&self, tensor: &TensorRef, slot: Slot, key: u64) -> Result<Ticket> {
+        self.origin.check()?;
         let model = &self.model;
         let primary = model.file_of(tensor)?;
         let mut w = direct::plan(&primary.path, primary.size, tensor, &slot)?;
         if w.len == 0 {
-            return Ok(Ticket {
-                pad: w.pad,
-                len: 0,
-                req: Request::new(slot, 0),
-            });
+            return Ok(Ticket::new(Request::new(slot, 0), w.pad, 0, self.origin));
         }
         let copies = model.copies(tensor.shard);
         let nc = copies.len().min(MAX_COPIES);
@@ -649,20 +732,29 @@ impl Engine {
         let mut touched = [Touched::default(); MAX_COPIES];
         let mut nt = 0usize;
         let mut refused_counted = [false; MAX_COPIES];
-        let mut split = chunk::split(&w, tensor.shard as u32, chunk_size);
-        while let Some(mut ch) = split.next() {
+        let split = chunk::split(&w, tensor.shard as u32, chunk_size);
+        let alive = |k: usize| !self.io.queues[model.files()[copies[k]].drive].is_closed();
+        for mut ch in split {
             let r = match policy {
                 RoutePolicy::Hash => hashed,
                 RoutePolicy::Stripe => route::stripe_pick(weights, &given[..nc], turn),
                 RoutePolicy::Adaptive => (0..nc)
                     .map(|k| (turn + k) % nc)
                     .min_by(|&a, &b| {
-                        let ca = self.io.loads[model.files()[copies[a]].drive].cost(ch.len as u64) * remote[a];
-                        let cb = self.io.loads[model.files()[copies[b]].drive].cost(ch.len as u64) * remote[b];
-                        ca.total_cmp(&cb)
+                        let cost = |k: usize| {
+                            if alive(k) {
+                                self.io.loads[model.files()[copies[k]].drive].cost(ch.len as u64) * remote[k]
+                            } else {
+                                f64::INFINITY
+                            }
+                        };
+                        cost(a).total_cmp(&cost(b))
                     })
                     .unwrap_or(0),
             };
+            // A copy on a stopped drive is passed over (if every copy's drive
+            // stopped, the push below fails with each one's reason).
+            let r = (0..nc).map(|k| (r + k) % nc).find(|&k| alive(k)).unwrap_or(r);
             given[r] += 1;
             let f = copies[r];
             let file = &model.files()[f];
@@ -698,36 +790,26 @@ impl Engine {
                 DriveCounters::add(&model.drives()[d].counters.chunks_unregistered, 1);
             }
             let q = &self.io.queues[d];
+            let job = Job::new(ReqArc::clone(&req), ch, target, tensor.index as u32, pad, len);
             if !q.credits.try_acquire() {
                 for t in touched[..nt].iter_mut().filter(|t| t.queued > 0) {
                     self.io.queues[t.drive].notify();
                     t.queued = 0;
                 }
                 if !q.credits.acquire() {
-                    // The drive is shutting down: this chunk and the rest fail.
-                    req.fail(Error::io(
-                        &file.path,
-                        "read",
-                        std::io::Error::other("engine is shutting down"),
-                    ));
-                    for _ in 0..1 + split.count() {
-                        req.chunk_done();
-                    }
-                    break;
+                    // The drive stopped: this chunk goes to another copy or
+                    // fails, naming the drive (its credit is not held).
+                    q.credits.force_acquire();
+                    self.io.loads[d].add(ch.len as u64);
+                    self.divert(job, d);
+                    continue;
                 }
             }
             self.io.loads[d].add(ch.len as u64);
-            q.push(Job {
-                req: ReqArc::clone(&req),
-                chunk: ch,
-                target,
-                pad,
-                len,
-                retries: 0,
-                tried: 0,
-                failures: Vec::new(),
-            });
-            touched[ti].queued += 1;
+            match q.push(job) {
+                Ok(()) => touched[ti].queued += 1,
+                Err(job) => self.divert(job, d),
+            }
         }
         for t in &touched[..nt] {
             if t.queued > 0 {
@@ -740,7 +822,23 @@ impl Engine {
                 DriveCounters::add(&c.reads_buffered, 1);
             }
         }
-        Ok(Ticket { req, pad, len })
+        Ok(Ticket::new(req, pad, len, self.origin))
+    }
+
+    /// A chunk routed to drive `d`, which stopped before it could be queued
+    /// (it holds `d`'s credit): another copy takes it, or the read fails
+    /// naming the drive.
+    fn divert(&self, job: Job, d: usize) {
+        let why = self.io.queues[d]
+            .closed_reason()
+            .unwrap_or_else(|| "the engine is shutting down".to_string());
+        let why = format!("drive {} is not running: {why}", self.model.drives()[d].device);
+        if let Some(again) = crate::queue::fail_copy(job, why.clone(), &self.io, d) {
+            again.done(Some(Error::DriveStopped {
+                device: self.model.drives()[d].device.clone(),
+                reason: why,
+            }));
+        }
     }
 
     /// Read weight of the copy in file `f` (by its rank).
@@ -785,20 +883,116 @@ impl Engine {
             d.numa_note = l.note.clone();
             d.thread_binding = Some(io.binding.clone());
         }
+        for (d, q) in s.drives.iter_mut().zip(&self.io.queues) {
+            if q.is_closed() {
+                d.stopped = q.closed_reason();
+            }
+        }
         s
+    }
+}
+
+impl Engine {
+    /// Stops the engine within `timeout`: reads not yet handed to the kernel
+    /// fail at once, reads the kernel holds are cancelled
+    /// (`IORING_OP_ASYNC_CANCEL`; a read already at the device completes
+    /// normally), and failures are final (no failover). Every ticket of the
+    /// engine then completes, with its payload or an error.
+    ///
+    /// Past the timeout (a hung device), the I/O threads that still own
+    /// in-flight reads are detached, not joined: they keep the memory the
+    /// kernel may write (the slots, the rings) until the kernel completes
+    /// those reads, which on a device that never answers is never. That
+    /// memory is leaked, never freed early; the report names each drive and
+    /// how many chunks it still held.
+    ///
+    /// Dropping an engine instead waits for every read, however long.
+    pub fn shutdown(mut self, timeout: std::time::Duration) -> ShutdownReport {
+        let deadline = std::time::Instant::now() + timeout;
+        if self.origin.forked() {
+            return ShutdownReport {
+                drained: false,
+                left_in_flight: Vec::new(),
+            };
+        }
+        self.io.cancelled.store(true, Ordering::Relaxed);
+        for (d, q) in self.io.queues.iter().enumerate() {
+            // Nothing queued reaches the kernel any more.
+            let queued = std::mem::take(&mut lock(&q.jobs).reads);
+            let why = "cancelled by Engine::shutdown";
+            crate::queue::fail_queued(&self.io, d, why, (queued.into_iter().collect(), Vec::new()));
+            let _ = q.push_control(Control::CancelAll);
+            q.shutdown();
+        }
+        let mut left = Vec::new();
+        for (d, io) in self.drives.iter_mut().enumerate() {
+            let threads = std::mem::take(&mut io.threads);
+            while threads.iter().any(|t| !t.is_finished()) && std::time::Instant::now() < deadline {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            if threads.iter().all(|t| t.is_finished()) {
+                for t in threads {
+                    let _ = t.join();
+                }
+            } else {
+                let q = &self.io.queues[d];
+                let n = q.in_kernel.load(Ordering::Relaxed) + q.active.load(Ordering::Relaxed);
+                let device = self.model.drives()[d].device.clone();
+                tracing::warn!(
+                    drive = %device,
+                    "Engine::shutdown: the I/O thread did not finish within {timeout:?}; it is detached with the reads the kernel still holds (about {n} chunk(s)): their memory is leaked until the kernel completes them"
+                );
+                left.push((device, n));
+                drop(threads); // detached
+            }
+        }
+        ShutdownReport {
+            drained: left.is_empty(),
+            left_in_flight: left,
+        }
+    }
+
+    /// Injects a fault into drive `drive`'s I/O, for tests of the failure
+    /// model (not a stable API).
+    #[doc(hidden)]
+    pub fn inject_fault(&self, drive: usize, fault: Fault) {
+        let q = &self.io.queues[drive];
+        match fault {
+            Fault::PanicIoThread => {
+                q.panic_fault.store(true, Ordering::Relaxed);
+                q.notify();
+            }
+            Fault::EnterFails(errno) => q.enter_fault.store(errno, Ordering::Relaxed),
+        }
     }
 }
 
 impl Drop for Engine {
     /// Drains every drive: each thread finishes what is in flight (the
-    /// kernel may be writing into those slots) before it exits.
+    /// kernel may be writing into those slots) before it exits. This waits
+    /// as long as the device takes (forever on a hung device): use
+    /// [`Engine::shutdown`] for a bounded stop. In a forked child, where
+    /// the threads do not exist, nothing is joined or locked: the child's
+    /// copy of the engine is leaked.
     fn drop(&mut self) {
+        if self.origin.forked() {
+            for d in &mut self.drives {
+                for t in d.threads.drain(..) {
+                    std::mem::forget(t);
+                }
+            }
+            std::mem::forget(Arc::clone(&self.io));
+            std::mem::forget(Arc::clone(&self.registry));
+            return;
+        }
         stop(&self.io, &mut self.drives);
     }
 }
 
 /// Shuts every drive's queue, then joins every thread: each finishes what
-/// is in flight before it exits (the kernel may be writing into those slots).
+/// is in flight before it exits (the kernel may be writing into those
+/// slots), and closes its queue on the way out, failing over (or failing)
+/// whatever was queued there since.
 fn stop(io: &Io, drives: &mut [DriveIo]) {
     for q in &io.queues {
         q.shutdown();
@@ -806,21 +1000,6 @@ fn stop(io: &Io, drives: &mut [DriveIo]) {
     for d in drives {
         for t in d.threads.drain(..) {
             let _ = t.join();
-        }
-    }
-    // A chunk moved to another drive by failover while that drive's thread
-    // was already exiting is still queued. No thread is left and the kernel
-    // never saw it, so it fails here: its ticket gets an error, not a hang.
-    for q in &io.queues {
-        let stranded = std::mem::take(&mut lock(&q.jobs).reads);
-        for job in stranded {
-            let path = &io.model.files()[job.chunk.file as usize].path;
-            job.req.fail(Error::io(
-                path,
-                "read",
-                std::io::Error::other("the engine was dropped before this chunk could be retried on another copy"),
-            ));
-            job.req.chunk_done();
         }
     }
 }
@@ -843,6 +1022,7 @@ fn make_io(model: &Model, depth: usize, eventfd: bool, nodes: &[Option<usize>]) 
         queues,
         loads: (0..n).map(|_| route::DriveLoad::new(1e9)).collect(),
         nodes: nodes.to_vec(),
+        cancelled: std::sync::atomic::AtomicBool::new(false),
     }))
 }
 
@@ -855,11 +1035,15 @@ fn start_rings(
     chunks: &[usize],
     placements: &[ThreadPlacement],
     nodes: &[Option<usize>],
-) -> std::io::Result<RingStart> {
-    let io = make_io(model, depth, true, nodes)?;
+) -> std::result::Result<RingStart, ring::StartError> {
+    let io = make_io(model, depth, true, nodes).map_err(ring::StartError::Setup)?;
     let mut out: Vec<(DriveIo, ring::RingSetup)> = Vec::new();
     for (i, &chunk) in chunks.iter().enumerate() {
-        let iopoll = config.iopoll && device_polls(model, i);
+        let iopoll = match config.iopoll {
+            IoPoll::Off => false,
+            IoPoll::Auto => device_polls(model, i),
+            IoPoll::Force => true,
+        };
         let cfg = RingConfig {
             depth: depth as u32,
             sqpoll: config.sqpoll,
@@ -906,6 +1090,24 @@ fn start_rings(
     ))
 }
 
+/// A thread could not be created: no backend works without threads.
+fn spawn_error(model: &Model, e: std::io::Error) -> Error {
+    let hint = if e.raw_os_error() == Some(libc::EAGAIN) {
+        let l = rustix::process::getrlimit(rustix::process::Resource::Nproc);
+        format!(
+            " (the user's process/thread limit RLIMIT_NPROC is {}: raise `ulimit -u`, or the system's threads-max / a cgroup pids.max is reached)",
+            l.current.map_or("unlimited".to_string(), |v| v.to_string())
+        )
+    } else {
+        String::new()
+    };
+    Error::io(
+        model.catalog().dir(),
+        "start an I/O thread",
+        std::io::Error::new(e.kind(), format!("{e}{hint}")),
+    )
+}
+
 /// Whether the block device behind drive `i` completes by polling.
 fn device_polls(model: &Model, i: usize) -> bool {
     let Some(f) = model.files().iter().find(|f| f.drive == i) else {
@@ -922,12 +1124,15 @@ fn memlock_limit() -> (Option<u64>, Option<u64>) {
 
 /// A read in flight. It owns the slot: the payload is reachable only once
 /// every chunk has completed. Dropping it early is safe: the slot returns
-/// to its arena after the last completion is reaped.
+/// to its arena after the last completion is reaped (or, if the drive's I/O
+/// thread stopped with a chunk still in the kernel, never).
 #[must_use = "a ticket owns its slot; wait() for the payload"]
 pub struct Ticket {
-    req: ReqArc<Request<Slot>>,
+    /// Dropped in `Drop` (leaked instead in a forked child).
+    req: std::mem::ManuallyDrop<ReqArc<Request<Slot>>>,
     pad: usize,
     len: usize,
+    origin: Origin,
 }
 
 impl std::fmt::Debug for Ticket {
@@ -940,6 +1145,15 @@ impl std::fmt::Debug for Ticket {
 }
 
 impl Ticket {
+    fn new(req: ReqArc<Request<Slot>>, pad: usize, len: usize, origin: Origin) -> Self {
+        Ticket {
+            req: std::mem::ManuallyDrop::new(req),
+            pad,
+            len,
+            origin,
+        }
+    }
+
     fn resolve(&self, o: Outcome<Slot>) -> Result<Loaded> {
         match o {
             Outcome::Ready(slot) => Ok(Loaded::new(slot, self.pad, self.len)),
@@ -948,8 +1162,11 @@ impl Ticket {
         }
     }
 
-    /// Blocks until the payload has landed.
+    /// Blocks until the payload has landed. In a forked child (where the
+    /// engine's I/O threads do not exist) it returns [`Error::Forked`] at
+    /// once instead of waiting forever.
     pub fn wait(self) -> Result<Loaded> {
+        self.origin.check()?;
         let o = self.req.wait();
         self.resolve(o)
     }
@@ -961,6 +1178,9 @@ impl Ticket {
 
     /// The payload if it has landed, else the ticket back.
     pub fn try_wait(self) -> std::result::Result<Result<Loaded>, Ticket> {
+        if let Err(e) = self.origin.check() {
+            return Ok(Err(e));
+        }
         match self.req.try_take() {
             Some(o) => Ok(self.resolve(o)),
             None => Err(self),
@@ -971,9 +1191,28 @@ impl Ticket {
 impl Future for Ticket {
     type Output = Result<Loaded>;
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        if let Err(e) = self.origin.check() {
+            return Poll::Ready(Err(e));
+        }
         match self.req.poll(cx.waker()) {
             Poll::Ready(o) => Poll::Ready(self.resolve(o)),
             Poll::Pending => Poll::Pending,
         }
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        if self.origin.forked() {
+            // A child: the request's locks may have been held by a parent
+            // thread at fork time, and its slot is not mapped here. Touch
+            // nothing; the child's copy of the request is leaked.
+            return;
+        }
+        // The waker is the caller's code: drop it here, on the caller's
+        // thread, not later on an I/O thread that completes the read.
+        self.req.forget_waker();
+        // SAFETY: `req` is dropped exactly once, here, and not used after.
+        unsafe { std::mem::ManuallyDrop::drop(&mut self.req) };
     }
 }

@@ -66,9 +66,25 @@ pub enum Error {
         end: u64,
         at: u64,
     },
-    /// Every copy of a shard failed for one chunk of a read.
-    #[error("bytes [{start}, {end}): every copy failed: {copies}")]
-    AllCopiesFailed { start: u64, end: u64, copies: String },
+    /// A chunk of a tensor's read failed on every copy of its shard (with
+    /// one copy: that copy's error). `causes` names each copy tried and why.
+    #[error("tensor {tensor}: bytes [{start}, {end}): {}{causes}", if *.copies > 1 { format!("every copy failed ({} copies): ", .copies) } else { "read failed: ".to_string() })]
+    ReadFailed {
+        tensor: String,
+        start: u64,
+        end: u64,
+        /// Copies of the shard the read could use.
+        copies: usize,
+        causes: String,
+    },
+    /// A drive's I/O thread is gone (it stopped after a fault, or the
+    /// engine is shutting down): reads that need it fail at once.
+    #[error("drive {device}: {reason}")]
+    DriveStopped { device: String, reason: String },
+    /// An engine (or a ticket of one) was used in a process forked from the
+    /// one that made it: its I/O threads and arenas exist only in the parent.
+    #[error("weightstream engine used in a forked child (pid {child}; made in pid {parent}): its I/O threads and arenas exist only in the parent; open a new Engine in the child")]
+    Forked { parent: u32, child: u32 },
     /// The slot handed to a read cannot hold the tensor.
     #[error("tensor {tensor}: slot too small ({need} payload bytes, slot capacity {capacity})")]
     SlotTooSmall {

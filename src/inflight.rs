@@ -26,6 +26,10 @@ struct State<S> {
     error: Option<Error>,
     done: bool,
     taken: bool,
+    /// A chunk was abandoned while the kernel may still write into the slot
+    /// (its I/O thread stopped with it in flight): the slot is leaked, never
+    /// returned to its arena or handed to the caller.
+    leak: bool,
     /// A thread sleeps in `wait` (notify only then).
     sleeping: bool,
     waker: Option<Waker>,
@@ -57,6 +61,7 @@ impl<S> Request<S> {
                 error: None,
                 done: chunks == 0,
                 taken: false,
+                leak: false,
                 sleeping: false,
                 waker: None,
             }),
@@ -74,6 +79,10 @@ impl<S> Request<S> {
 
     /// One chunk is finished (landed or failed). Returns true for the one
     /// call that completed the request and published it.
+    ///
+    /// The caller's waker runs after the bookkeeping is published and under
+    /// `catch_unwind`: this runs on I/O threads, and a panicking waker must
+    /// not unwind one (its ring and in-flight table would go with it).
     pub fn chunk_done(&self) -> bool {
         if self.pending.fetch_sub(1, Ordering::AcqRel) != 1 {
             return false;
@@ -88,9 +97,30 @@ impl<S> Request<S> {
             self.done_cv.notify_all();
         }
         if let Some(w) = waker {
-            w.wake();
+            wake_guarded(w);
         }
         true
+    }
+
+    /// One chunk is given up while the kernel may still own it (its I/O
+    /// thread stopped): the request fails with `e`, and its slot is leaked
+    /// rather than ever reused.
+    pub(crate) fn abandon(&self, e: Error) {
+        {
+            let mut st = lock(&self.state);
+            st.leak = true;
+            if st.error.is_none() {
+                st.error = Some(e);
+            }
+        }
+        self.chunk_done();
+    }
+
+    /// Drops the registered waker, if any (a ticket going away drops it on
+    /// the caller's thread, not later on an I/O thread).
+    pub(crate) fn forget_waker(&self) {
+        let w = lock(&self.state).waker.take();
+        drop(w);
     }
 
     /// Whether every chunk has completed.
@@ -103,6 +133,10 @@ impl<S> Request<S> {
             return Outcome::Spent;
         }
         st.taken = true;
+        if st.leak {
+            // The kernel may still write into the slot: it never comes back.
+            std::mem::forget(st.slot.take());
+        }
         match st.error.take() {
             // Done means every chunk was reaped: the kernel is finished with
             // the slot, so it goes back to its arena before the caller hears
@@ -151,6 +185,39 @@ impl<S> Request<S> {
         Poll::Pending
     }
 }
+
+impl<S> Drop for Request<S> {
+    fn drop(&mut self) {
+        let mut st = lock(&self.state);
+        if st.leak {
+            std::mem::forget(st.slot.take());
+        }
+    }
+}
+
+/// Calls a caller's waker so that a panic in it (or in its drop) is caught
+/// and logged instead of unwinding the I/O thread that completed the read.
+fn wake_guarded(w: Waker) {
+    if let Err(payload) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || w.wake())) {
+        static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+        if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            let what = payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a non-string payload".into());
+            tracing::error!(
+                "a waker panicked on an I/O thread ({what}); caught, the read completed normally (logged once)"
+            );
+        }
+        WAKER_PANICS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        // Its drop could panic again; a small leak is the safe choice.
+        std::mem::forget(payload);
+    }
+}
+
+/// Wakers that panicked on an I/O thread (caught), process-wide.
+pub(crate) static WAKER_PANICS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// A per-drive bound on chunks in flight (the queue depth). Producers block
 /// while none is free; the reaper returns them. Closing wakes every producer.

@@ -371,6 +371,8 @@ impl Model {
                     numa_note: None,
                     thread_binding: None,
                     cross_node_bytes: ld(&c.cross_node_bytes),
+                    chunks_abandoned: ld(&c.chunks_abandoned),
+                    stopped: None,
                 }
             })
             .collect();

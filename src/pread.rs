@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use std::thread::JoinHandle;
 
 use crate::numa::ThreadPlacement;
-use crate::queue::{settle, Io, Job};
+use crate::queue::{fail_queued, settle, Io, Job};
 use crate::sync::lock_std as lock;
 use crate::Model;
 use std::sync::Arc;
@@ -23,17 +23,26 @@ pub(crate) fn start(
 ) -> std::io::Result<(Vec<JoinHandle<()>>, String)> {
     let name = format!("ws-pread-{}", io.model.drives()[drive].device);
     let (tx, rx) = std::sync::mpsc::channel();
-    let handles = (0..threads.max(1))
-        .map(|i| {
-            let io = Arc::clone(io);
-            let (tx, placement) = (tx.clone(), placement.clone());
-            std::thread::Builder::new().name(format!("{name}-{i}")).spawn(move || {
-                let _ = tx.send(placement.apply());
-                drop(tx);
-                worker(&io, drive)
-            })
-        })
-        .collect::<std::io::Result<Vec<_>>>()?;
+    let q = &io.queues[drive];
+    let mut handles = Vec::new();
+    for i in 0..threads.max(1) {
+        let io2 = Arc::clone(io);
+        let (tx, placement) = (tx.clone(), placement.clone());
+        q.workers.fetch_add(1, Ordering::AcqRel);
+        let spawned = std::thread::Builder::new().name(format!("{name}-{i}")).spawn(move || {
+            let _ = tx.send(placement.apply());
+            drop(tx);
+            worker(&io2, drive);
+        });
+        match spawned {
+            Ok(h) => handles.push(h),
+            Err(e) => {
+                q.workers.fetch_sub(1, Ordering::AcqRel);
+                // The started workers exit at the engine's stop.
+                return Err(e);
+            }
+        }
+    }
     drop(tx);
     let bindings: Vec<String> = rx.iter().take(handles.len()).collect();
     let binding = bindings
@@ -43,7 +52,36 @@ pub(crate) fn start(
     Ok((handles, binding))
 }
 
+/// Takes chunks until the drive shuts down. A pread is synchronous, so
+/// nothing of a chunk is left with the kernel once it returns: a panic
+/// while a chunk is in hand fails that chunk's read (the job's drop) and
+/// the worker goes on; pread workers are never lost to a panic.
 fn worker(io: &Io, drive_index: usize) {
+    let q = &*io.queues[drive_index];
+    loop {
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work(io, drive_index))) {
+            Ok(()) => break,
+            Err(payload) => {
+                let what = crate::ring::panic_text(&*payload);
+                std::mem::forget(payload);
+                q.active.fetch_sub(1, Ordering::Relaxed);
+                tracing::error!(
+                    drive = %io.model.drives()[drive_index].device,
+                    "a pread worker panicked ({what}); the chunk in hand failed its read, the worker goes on"
+                );
+            }
+        }
+    }
+    if q.workers.fetch_sub(1, Ordering::AcqRel) == 1 {
+        // The last worker: whatever was queued since (a failover from
+        // another drive) has no one to read it.
+        let why = "the engine was shut down";
+        let queued = q.close(why);
+        fail_queued(io, drive_index, why, queued);
+    }
+}
+
+fn work(io: &Io, drive_index: usize) {
     let (model, q) = (&io.model, &*io.queues[drive_index]);
     loop {
         let job = {
@@ -67,6 +105,10 @@ fn worker(io: &Io, drive_index: usize) {
         drive.counters.inflight_max.fetch_max(now as u64, Ordering::Relaxed);
         loop {
             let res = pread_chunk(model, &job);
+            if q.panic_fault.swap(false, Ordering::Relaxed) {
+                // Test-only (`Engine::inject_fault`), with the chunk in hand.
+                panic!("injected fault: pread worker panic on drive {}", drive.device);
+            }
             match settle(job, res, io, drive_index) {
                 Some(again) => job = again,
                 None => break,
@@ -88,12 +130,7 @@ pub(crate) fn pread_chunk(model: &Model, job: &Job) -> i32 {
     // `window`/`chunk`).
     // SAFETY: in-bounds (above); no other chunk of the request overlaps it,
     // and the caller cannot reach the slot until the request completes.
-    let buf = unsafe {
-        std::slice::from_raw_parts_mut(
-            (job.target.base + job.chunk.slot_off) as *mut u8,
-            job.chunk.len as usize,
-        )
-    };
+    let buf = unsafe { std::slice::from_raw_parts_mut(job.target.chunk_ptr(&job.chunk), job.chunk.len as usize) };
     match rustix::io::pread(fd, buf, job.chunk.file_off) {
         Ok(n) => n as i32,
         Err(e) => -e.raw_os_error(),

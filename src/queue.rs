@@ -6,11 +6,14 @@
 use std::collections::VecDeque;
 use std::os::fd::OwnedFd;
 
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::{Condvar, Mutex};
+
 use crate::arena::Slot;
 use crate::chunk::Chunk;
+use crate::error::Error;
 use crate::inflight::{Credits, Request};
 use crate::sync::{lock_std as lock, Arc as ReqArc};
-use std::sync::{Condvar, Mutex};
 
 /// Where a chunk's bytes go: the slot's base address and, when its arena is
 /// registered with the ring, the fixed-buffer index that covers the slot.
@@ -22,11 +25,26 @@ pub(crate) struct Target {
     pub node: Option<usize>,
 }
 
-/// One chunk to read.
+impl Target {
+    /// Where chunk `c` lands: inside the slot (the window and chunk planning
+    /// keep `slot_off + len` within the slot's length).
+    pub(crate) fn chunk_ptr(&self, c: &Chunk) -> *mut u8 {
+        (self.base + c.slot_off) as *mut u8
+    }
+}
+
+/// One chunk to read. A job is an obligation: its request's
+/// [`Request::chunk_done`] is called exactly once for it (landed, failed,
+/// or abandoned). A job dropped without that (an I/O thread unwinding with
+/// it in hand, a queue dropped with it queued) fails its request on drop,
+/// so no ticket waits forever; a job the kernel may still write for is
+/// never dropped that way (the ring abandons it first, leaking the slot).
 pub(crate) struct Job {
     pub req: ReqArc<Request<Slot>>,
     pub chunk: Chunk,
     pub target: Target,
+    /// Catalog index of the tensor, for error messages.
+    pub tensor: u32,
     /// Payload placement, for byte accounting.
     pub pad: usize,
     pub len: usize,
@@ -36,6 +54,62 @@ pub(crate) struct Job {
     pub tried: u32,
     /// (file, cause) of each failed copy, for the error when all fail.
     pub failures: Vec<(u32, String)>,
+    /// `chunk_done` was called for this job.
+    settled: bool,
+}
+
+impl Job {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        req: ReqArc<Request<Slot>>,
+        chunk: Chunk,
+        target: Target,
+        tensor: u32,
+        pad: usize,
+        len: usize,
+    ) -> Self {
+        Job {
+            req,
+            chunk,
+            target,
+            tensor,
+            pad,
+            len,
+            retries: 0,
+            tried: 0,
+            failures: Vec::new(),
+            settled: false,
+        }
+    }
+
+    /// Completes this chunk: the request fails with `err` if given.
+    pub(crate) fn done(mut self, err: Option<Error>) {
+        if let Some(e) = err {
+            self.req.fail(e);
+        }
+        self.settled = true;
+        self.req.chunk_done();
+    }
+
+    /// Gives this chunk up while the kernel may still write into its slot:
+    /// the request fails with `err` and its slot is leaked, never reused.
+    pub(crate) fn abandon(mut self, err: Error) {
+        self.settled = true;
+        self.req.abandon(err);
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        if !self.settled {
+            self.req.fail(Error::io(
+                "<engine>",
+                "read",
+                std::io::Error::other("a chunk was dropped before it completed (its I/O thread stopped)"),
+            ));
+            self.req.chunk_done();
+        }
+    }
 }
 
 /// What every I/O thread of an engine shares: the model, every drive's
@@ -47,6 +121,9 @@ pub(crate) struct Io {
     pub loads: Vec<crate::route::DriveLoad>,
     /// NUMA node of each drive, when known.
     pub nodes: Vec<Option<usize>>,
+    /// `Engine::shutdown` cancelled what was in flight: a failed chunk is
+    /// final (no failover to another copy).
+    pub cancelled: AtomicBool,
 }
 
 /// Control work that must run on the ring's own thread (a single-issuer
@@ -60,12 +137,16 @@ pub(crate) enum Control {
     /// Empties `n` table entries from `first` (their arena is gone): the
     /// kernel unpins the pages and returns the locked-memory charge.
     UnregisterBuffers { first: u32, n: u32 },
+    /// `Engine::shutdown`: cancel every read the kernel holds.
+    CancelAll,
 }
 
 pub(crate) struct Jobs {
     pub reads: VecDeque<Job>,
     pub control: VecDeque<Control>,
     pub shutdown: bool,
+    /// Why the drive takes no more work (its threads are gone), once closed.
+    pub closed: Option<String>,
 }
 
 /// A drive's queue.
@@ -73,11 +154,24 @@ pub(crate) struct DriveQueue {
     pub jobs: Mutex<Jobs>,
     /// Pread workers sleep here.
     pub ready: Condvar,
-    /// The ring's wake-up (it keeps a read armed on it).
+    /// The ring's wake-up (it keeps a read armed on it, or blocks reading
+    /// it when the ring polls).
     pub eventfd: Option<OwnedFd>,
     pub credits: Credits,
     /// Chunks a pread worker is reading right now.
     pub active: std::sync::atomic::AtomicUsize,
+    /// Mirrors `jobs.closed.is_some()` for lock-free checks when routing.
+    closed: AtomicBool,
+    /// Test-only (`Engine::inject_fault`): io_uring_enter on this drive
+    /// fails with this errno (0: no fault).
+    pub(crate) enter_fault: AtomicI32,
+    /// Test-only: the drive's next I/O thread to look panics (a ring with
+    /// its chunks in flight, a pread worker with a chunk in hand).
+    pub(crate) panic_fault: AtomicBool,
+    /// Chunks the drive's ring holds in the kernel (updated once per loop).
+    pub(crate) in_kernel: std::sync::atomic::AtomicUsize,
+    /// Pread workers still running (the last one to exit closes the queue).
+    pub(crate) workers: std::sync::atomic::AtomicUsize,
 }
 
 impl DriveQueue {
@@ -87,11 +181,17 @@ impl DriveQueue {
                 reads: VecDeque::with_capacity(depth),
                 control: VecDeque::new(),
                 shutdown: false,
+                closed: None,
             }),
             ready: Condvar::new(),
             eventfd,
             credits: Credits::new(depth),
             active: std::sync::atomic::AtomicUsize::new(0),
+            closed: AtomicBool::new(false),
+            enter_fault: AtomicI32::new(0),
+            panic_fault: AtomicBool::new(false),
+            workers: std::sync::atomic::AtomicUsize::new(0),
+            in_kernel: std::sync::atomic::AtomicUsize::new(0),
         }
     }
 
@@ -107,14 +207,29 @@ impl DriveQueue {
         }
     }
 
-    /// Queues `job` (its credit already held) without waking anyone.
-    pub(crate) fn push(&self, job: Job) {
-        lock(&self.jobs).reads.push_back(job);
+    /// Queues `job` (its credit already held) without waking anyone; hands
+    /// it back when the drive is closed.
+    #[allow(clippy::result_large_err)] // handed back by value: a box would allocate per chunk
+    pub(crate) fn push(&self, job: Job) -> Result<(), Job> {
+        let mut j = lock(&self.jobs);
+        if j.closed.is_some() {
+            return Err(job);
+        }
+        j.reads.push_back(job);
+        Ok(())
     }
 
-    pub(crate) fn push_control(&self, c: Control) {
-        lock(&self.jobs).control.push_back(c);
+    /// Queues control work and wakes the thread; hands it back when closed.
+    pub(crate) fn push_control(&self, c: Control) -> Result<(), Control> {
+        {
+            let mut j = lock(&self.jobs);
+            if j.closed.is_some() {
+                return Err(c);
+            }
+            j.control.push_back(c);
+        }
         self.notify();
+        Ok(())
     }
 
     /// Stops the drive: no more credits, the thread(s) drain what is in
@@ -123,6 +238,65 @@ impl DriveQueue {
         lock(&self.jobs).shutdown = true;
         self.credits.close();
         self.notify();
+    }
+
+    /// Whether the drive takes no more work.
+    pub(crate) fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    /// Why the drive is closed (`None` while it runs).
+    pub(crate) fn closed_reason(&self) -> Option<String> {
+        lock(&self.jobs).closed.clone()
+    }
+
+    /// Closes the drive for good (its threads are gone or going): later
+    /// pushes are refused, producers waiting for credits are woken and
+    /// refused. Returns what was queued, for the caller to fail over or fail.
+    pub(crate) fn close(&self, why: &str) -> (Vec<Job>, Vec<Control>) {
+        let (reads, controls) = {
+            let mut j = lock(&self.jobs);
+            if j.closed.is_none() {
+                j.closed = Some(why.to_string());
+            }
+            self.closed.store(true, Ordering::Release);
+            (
+                std::mem::take(&mut j.reads).into_iter().collect(),
+                std::mem::take(&mut j.control).into_iter().collect(),
+            )
+        };
+        self.credits.close();
+        self.ready.notify_all();
+        (reads, controls)
+    }
+}
+
+/// Fails over (or fails) jobs taken from a closed drive's queue: none of
+/// them reached the kernel. Control requests waiting for a reply get one.
+pub(crate) fn fail_queued(io: &Io, drive_index: usize, why: &str, queued: (Vec<Job>, Vec<Control>)) {
+    let (reads, controls) = queued;
+    for job in reads {
+        if let Some(again) = fail_copy(job, why.to_string(), io, drive_index) {
+            // A copy on this same (closed) drive cannot be chosen, so this
+            // does not happen; fail it rather than lose it.
+            again.done(Some(stopped(io, drive_index, why)));
+        }
+    }
+    for c in controls {
+        if let Control::RegisterBuffers { reply, .. } = c {
+            let _ = reply.send(Err(std::io::Error::other(DRIVE_CLOSED)));
+        }
+    }
+}
+
+/// The text a closed drive answers a registration with (the engine skips
+/// such a drive instead of refusing the arena everywhere).
+pub(crate) const DRIVE_CLOSED: &str = "the drive's I/O thread is gone";
+
+fn stopped(io: &Io, drive_index: usize, why: &str) -> Error {
+    Error::DriveStopped {
+        device: io.model.drives()[drive_index].device.clone(),
+        reason: why.to_string(),
     }
 }
 
@@ -135,7 +309,6 @@ impl DriveQueue {
 /// copy has failed, with each copy and its cause in the error.
 pub(crate) fn settle(mut job: Job, res: i32, io: &Io, drive_index: usize) -> Option<Job> {
     use crate::chunk::{on_result, payload_bytes, Next};
-    use crate::error::Error;
     use crate::stats::DriveCounters;
 
     /// EINTR/EAGAIN retries of one chunk before giving up on this copy.
@@ -208,56 +381,107 @@ pub(crate) fn settle(mut job: Job, res: i32, io: &Io, drive_index: usize) -> Opt
         Next::Eof { at } => format!("end of file at byte {at} (truncated after it was opened?)"),
         Next::Fail { errno } => std::io::Error::from_raw_os_error(errno).to_string(),
     };
-    // This copy failed: the next copy of the shard that has not failed yet
-    // (after this one, wrapping to the primary), else the read fails.
-    io.loads[drive_index].done(job.chunk.len as u64, false);
-    job.tried |= 1 << file.rank.min(31);
-    job.failures.push((job.chunk.file, failure));
-    let copies = model.copies(file.shard);
-    let pos = copies.iter().position(|&f| f == job.chunk.file as usize).unwrap_or(0);
-    let next = (1..copies.len())
-        .map(|k| copies[(pos + k) % copies.len()])
-        .find(|&f| job.tried & (1 << model.files()[f].rank.min(31)) == 0);
-    let Some(next) = next else {
-        let list: Vec<String> = job
-            .failures
-            .iter()
-            .map(|(f, why)| format!("{}: {why}", model.files()[*f as usize].path.display()))
-            .collect();
-        let err = Error::AllCopiesFailed {
-            start: job.chunk.file_off,
-            end: job.chunk.file_off + job.chunk.len as u64,
-            copies: list.join("; "),
-        };
-        return finish(job, &io.queues[drive_index], Some(err));
-    };
-    DriveCounters::add(&c.failovers, 1);
-    let to = &model.files()[next];
-    if !file.failover_warned.swap(true, std::sync::atomic::Ordering::Relaxed) {
-        tracing::warn!(
-            drive = %drive.device,
-            "{}: read failed ({}); retrying on {} (warned once per copy; counted per drive as failovers)",
-            file.path.display(),
-            job.failures.last().map_or("", |f| f.1.as_str()),
-            to.path.display()
-        );
-    }
-    job.chunk.file = next as u32;
-    job.chunk.direct = job.chunk.direct && can_direct(to, &job);
-    job.retries = 0;
-    io.loads[to.drive].add(job.chunk.len as u64);
-    if to.drive == drive_index {
-        return Some(job);
-    }
-    // Another drive: the job takes its credit with it.
-    let target = &io.queues[to.drive];
-    target.credits.force_acquire();
-    target.push(job);
-    target.notify();
-    io.queues[drive_index].credits.release(1);
-    None
+    fail_copy(job, failure, io, drive_index)
 }
 
+/// This copy failed for `job` (`why`): the chunk moves to the next copy of
+/// its shard that has not failed yet and whose drive still runs (after this
+/// one, wrapping to the primary; counted per drive as a failover and warned
+/// once per copy), or, when none is left, the request fails with every copy
+/// and its cause. After `Engine::shutdown` cancelled the reads, a failure is
+/// final. Returns the job when it is to be issued again on this drive.
+pub(crate) fn fail_copy(mut job: Job, why: String, io: &Io, drive_index: usize) -> Option<Job> {
+    use crate::stats::DriveCounters;
+    let model = &io.model;
+    let file = &model.files()[job.chunk.file as usize];
+    let drive = &model.drives()[file.drive];
+    io.loads[drive_index].done(job.chunk.len as u64, false);
+    job.tried |= 1 << file.rank.min(31);
+    job.failures.push((job.chunk.file, why));
+    let copies = model.copies(file.shard);
+    let pos = copies.iter().position(|&f| f == job.chunk.file as usize).unwrap_or(0);
+    let cancelled = io.cancelled.load(Ordering::Relaxed);
+    for k in 1..copies.len() {
+        if cancelled {
+            break;
+        }
+        let next = copies[(pos + k) % copies.len()];
+        let to = &model.files()[next];
+        if job.tried & (1 << to.rank.min(31)) != 0 {
+            continue;
+        }
+        let target = &io.queues[to.drive];
+        if target.is_closed() {
+            job.tried |= 1 << to.rank.min(31);
+            let reason = target.closed_reason().unwrap_or_default();
+            job.failures.push((
+                next as u32,
+                format!("drive {} is not running: {reason}", model.drives()[to.drive].device),
+            ));
+            continue;
+        }
+        DriveCounters::add(&drive.counters.failovers, 1);
+        if !file.failover_warned.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                drive = %drive.device,
+                "{}: read failed ({}); retrying on {} (warned once per copy; counted per drive as failovers)",
+                file.path.display(),
+                job.failures.last().map_or("", |f| f.1.as_str()),
+                to.path.display()
+            );
+        }
+        job.chunk.file = next as u32;
+        job.chunk.direct = job.chunk.direct && can_direct(to, &job);
+        job.retries = 0;
+        if to.drive == drive_index {
+            io.loads[to.drive].add(job.chunk.len as u64);
+            return Some(job);
+        }
+        // Another drive: the job takes its credit with it.
+        let len = job.chunk.len as u64;
+        target.credits.force_acquire();
+        io.loads[to.drive].add(len);
+        match target.push(job) {
+            Ok(()) => {
+                target.notify();
+                io.queues[drive_index].credits.release(1);
+                return None;
+            }
+            Err(back) => {
+                // Closed between the check and the push.
+                target.credits.release(1);
+                io.loads[to.drive].done(len, false);
+                job = back;
+                job.tried |= 1 << to.rank.min(31);
+                job.failures.push((
+                    next as u32,
+                    format!("drive {} stopped", model.drives()[to.drive].device),
+                ));
+            }
+        }
+    }
+    let causes: Vec<String> = job
+        .failures
+        .iter()
+        .map(|(f, why)| format!("{}: {why}", model.files()[*f as usize].path.display()))
+        .collect();
+    let mut causes = causes.join("; ");
+    if cancelled {
+        causes.push_str(" (cancelled by Engine::shutdown)");
+    }
+    let err = Error::ReadFailed {
+        tensor: model
+            .catalog()
+            .tensors()
+            .get(job.tensor as usize)
+            .map_or_else(|| "?".to_string(), |t| t.name.clone()),
+        start: job.chunk.file_off,
+        end: job.chunk.file_off + job.chunk.len as u64,
+        copies: copies.len(),
+        causes,
+    };
+    finish(job, &io.queues[drive_index], Some(err))
+}
 /// Whether `job`'s chunk may go O_DIRECT on copy `f`: it has an O_DIRECT
 /// descriptor and the chunk's offset, length and memory meet its alignment.
 pub(crate) fn can_direct(f: &crate::model::ShardFile, job: &Job) -> bool {
@@ -268,11 +492,8 @@ pub(crate) fn can_direct(f: &crate::model::ShardFile, job: &Job) -> bool {
         && (job.target.base + job.chunk.slot_off).is_multiple_of(ma)
 }
 
-fn finish(job: Job, q: &DriveQueue, err: Option<crate::error::Error>) -> Option<Job> {
-    if let Some(e) = err {
-        job.req.fail(e);
-    }
+fn finish(job: Job, q: &DriveQueue, err: Option<Error>) -> Option<Job> {
     q.credits.release(1);
-    job.req.chunk_done();
+    job.done(err);
     None
 }

@@ -2,28 +2,41 @@
 //!
 //! The ring is created on its thread (a single-issuer ring accepts
 //! submissions only from its creator), registers the drive's shard files as
-//! fixed files (a sparse table, so later layouts can add files) and arenas
-//! as fixed buffers on request, and turns each chunk into one `ReadFixed`
-//! (or plain `Read` for a slot of an unregistered arena). A read is kept
-//! armed on the drive queue's eventfd, so a caller's notify wakes a thread
-//! sleeping in `io_uring_enter` without any spinning.
+//! fixed files and arenas as fixed buffers on request, and turns each chunk
+//! into one `ReadFixed` (or plain `Read` for a slot of an unregistered
+//! arena). A read is kept armed on the drive queue's eventfd, so a caller's
+//! notify wakes a thread sleeping in `io_uring_enter` without any spinning;
+//! a polled (IOPOLL) ring cannot read an eventfd, so it blocks in a plain
+//! `read(2)` of it when nothing is in flight.
 //!
 //! `user_data` packs (table index: 32 bits, generation: 16 bits, chunk
 //! sequence: 16 bits). The in-flight table holds each chunk's job, and with
-//! it an `Arc` of its request (which owns the slot), from submission until
-//! its completion is reaped; the thread exits only when the table is empty.
+//! it an `Arc` of its request (which owns the slot), from before its entry
+//! is pushed until its completion is reaped.
+//!
+//! However the thread ends (drained at shutdown, `io_uring_enter` failing
+//! past its budget, a panic), the thread's `Drop` decides what the kernel
+//! may still own: when anything is in flight, the ring and the eventfd
+//! buffer are leaked (never unmapped or freed) and every in-flight job is
+//! abandoned (its request fails naming the drive and its slot is leaked,
+//! never reused). The drive's queue is closed, so later reads fail over to
+//! another copy or fail at once.
 
+use std::collections::VecDeque;
+use std::mem::ManuallyDrop;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::mpsc;
+use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use io_uring::{opcode, types, IoUring};
 
+use crate::error::Error;
 use crate::numa::ThreadPlacement;
-use crate::queue::{settle, Control, DriveQueue, Io, Job};
+use crate::queue::{fail_copy, fail_queued, settle, Control, DriveQueue, Io, Job};
 use crate::sync::lock_std as lock;
 use crate::Model;
-use std::sync::Arc;
 
 /// Most fixed buffers a ring takes (the kernel's limit).
 pub(crate) const MAX_FIXED_BUFFERS: u32 = 1 << 14;
@@ -31,6 +44,14 @@ pub(crate) const MAX_FIXED_BUFFERS: u32 = 1 << 14;
 pub(crate) const MAX_FIXED_BUFFER_BYTES: usize = 1 << 30;
 
 const EVENTFD_TAG: u64 = u64::MAX;
+const CANCEL_TAG: u64 = u64::MAX - 1;
+
+/// How long `io_uring_enter` may keep failing, with no completion reaped in
+/// between, before the ring is declared broken.
+pub(crate) const ENTER_FAILURE_BUDGET: Duration = Duration::from_secs(2);
+/// After that, how long the thread keeps trying to reap the chunks the
+/// kernel did accept before it abandons them (leaking their slots).
+const BROKEN_DRAIN: Duration = Duration::from_secs(10);
 
 /// How to set a ring up.
 #[derive(Debug, Clone, Copy)]
@@ -50,14 +71,24 @@ pub(crate) struct RingSetup {
     pub binding: String,
 }
 
+/// Why a ring could not be started.
+#[derive(Debug)]
+pub(crate) enum StartError {
+    /// `io_uring_setup` refused (the pread backend may take over).
+    Setup(std::io::Error),
+    /// The thread could not be created (RLIMIT_NPROC, memory): no backend
+    /// can run without threads.
+    Spawn(std::io::Error),
+}
+
 /// Starts the ring thread of drive `drive`. Returns after the ring exists
-/// (or failed to be created: the error is `io_uring_setup`'s).
+/// (or failed to be created).
 pub(crate) fn start(
     io: &Arc<Io>,
     drive: usize,
     cfg: RingConfig,
     placement: ThreadPlacement,
-) -> std::io::Result<(JoinHandle<()>, RingSetup)> {
+) -> Result<(JoinHandle<()>, RingSetup), StartError> {
     let (tx, rx) = mpsc::channel();
     let model = &io.model;
     let io2 = Arc::clone(io);
@@ -67,34 +98,54 @@ pub(crate) fn start(
             // Bound before the ring exists, so its memory and any kernel
             // worker it spawns start on the drive's node.
             let binding = placement.apply();
-            let ring = match build(cfg) {
+            let (ring, flags) = match build(cfg) {
                 Ok(r) => r,
                 Err(e) => {
                     let _ = tx.send(Err(e));
                     return;
                 }
             };
-            let mut t = RingThread::new(ring.0, io2, drive, cfg);
+            let mut t = RingThread::new(ring, io2, drive, cfg);
             let setup = RingSetup {
-                flags: ring.1,
+                flags,
                 fixed_files: t.register_files(),
                 fixed_buffers: t.sparse_buffers(),
                 binding,
             };
             let _ = tx.send(Ok(setup));
-            t.run();
-        })?;
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| t.run())) {
+                Ok(()) => {}
+                Err(payload) => {
+                    let what = panic_text(&*payload);
+                    // Its drop could panic again; leaking it is the safe choice.
+                    std::mem::forget(payload);
+                    t.exit_reason = Some(format!("its I/O thread panicked ({what})"));
+                }
+            }
+            // `t` drops here: see `impl Drop for RingThread`.
+        })
+        .map_err(StartError::Spawn)?;
     match rx.recv() {
         Ok(Ok(setup)) => Ok((handle, setup)),
         Ok(Err(e)) => {
             let _ = handle.join();
-            Err(e)
+            Err(StartError::Setup(e))
         }
         Err(_) => {
             let _ = handle.join();
-            Err(std::io::Error::other("ring thread exited during setup"))
+            Err(StartError::Setup(std::io::Error::other(
+                "ring thread exited during setup",
+            )))
         }
     }
+}
+
+pub(crate) fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a non-string panic payload".into())
 }
 
 /// Creates the ring with the flags that suit one submitter thread, falling
@@ -142,13 +193,25 @@ fn build(cfg: RingConfig) -> std::io::Result<(IoUring, String)> {
     }
 }
 
+/// How the ring thread is woken when a caller queues work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Wake {
+    /// A read is kept armed on the eventfd inside the ring.
+    Armed,
+    /// The thread blocks in `read(2)` of the eventfd while nothing is in
+    /// flight (a polled ring cannot read an eventfd, or the armed read
+    /// failed).
+    Blocking,
+}
+
 struct RingThread {
-    ring: IoUring,
+    /// Leaked, not dropped, when the thread ends with anything in flight.
+    ring: ManuallyDrop<IoUring>,
     io: Arc<Io>,
     model: Model,
     drive: usize,
     q: Arc<DriveQueue>,
-    /// In-flight table: the job of each submitted chunk.
+    /// In-flight table: the job of each chunk pushed to the ring.
     table: Vec<Option<Job>>,
     generation: Vec<u16>,
     free: Vec<u32>,
@@ -156,16 +219,31 @@ struct RingThread {
     /// Fixed-file slots (direct, buffered) per model file on this drive.
     fixed: Vec<Option<(Option<u32>, u32)>>,
     eventfd_armed: bool,
-    eventfd_buf: Box<[u8; 8]>,
+    /// The armed eventfd read's buffer: leaked with the ring if it is armed.
+    eventfd_buf: ManuallyDrop<Box<[u8; 8]>>,
+    wake: Wake,
+    /// A cancel of everything in flight was pushed and has not completed.
+    cancel_armed: bool,
     iopoll: bool,
+    sqpoll: bool,
     reaped: Vec<(u64, i32)>,
+    /// `user_data` of entries pushed but maybe not yet consumed by the
+    /// kernel, oldest first (trimmed to the submission queue's length after
+    /// every enter): when the ring breaks, these never reached the kernel.
+    unconsumed: VecDeque<u64>,
+    /// Since when `io_uring_enter` has failed with no completion reaped.
+    failing_since: Option<Instant>,
+    /// Set when the ring can no longer be entered: why.
+    broken: Option<String>,
+    /// Why the thread ended abnormally (the queue is closed with it).
+    exit_reason: Option<String>,
 }
 
 impl RingThread {
     fn new(ring: IoUring, io: Arc<Io>, drive: usize, cfg: RingConfig) -> Self {
         let nfiles = io.model.files().len();
         RingThread {
-            ring,
+            ring: ManuallyDrop::new(ring),
             model: io.model.clone(),
             drive,
             q: Arc::clone(&io.queues[drive]),
@@ -176,22 +254,44 @@ impl RingThread {
             inflight: 0,
             fixed: vec![None; nfiles],
             eventfd_armed: false,
-            eventfd_buf: Box::new([0; 8]),
+            eventfd_buf: ManuallyDrop::new(Box::new([0; 8])),
+            wake: if cfg.iopoll { Wake::Blocking } else { Wake::Armed },
+            cancel_armed: false,
             iopoll: cfg.iopoll,
+            sqpoll: cfg.sqpoll,
             reaped: Vec::new(),
+            unconsumed: VecDeque::new(),
+            failing_since: None,
+            broken: None,
+            exit_reason: None,
         }
     }
 
+    fn device(&self) -> &str {
+        &self.model.drives()[self.drive].device
+    }
+
     /// Registers the O_DIRECT and buffered descriptors of this drive's shards
-    /// in a sparse fixed-file table with room for files added later.
+    /// as fixed files: a table of exactly the entries needed (the kernel
+    /// refuses one larger than RLIMIT_NOFILE).
     fn register_files(&mut self) -> Result<(), String> {
         let mine: Vec<usize> = (0..self.model.files().len())
             .filter(|&i| self.model.files()[i].drive == self.drive)
             .collect();
-        let size = (2 * mine.len() as u32 + 64).next_power_of_two();
+        let size = 2 * mine.len() as u32;
         let sub = self.ring.submitter();
-        sub.register_files_sparse(size)
-            .map_err(|e| format!("register_files_sparse({size}): {e}"))?;
+        sub.register_files_sparse(size).map_err(|e| {
+            if e.raw_os_error() == Some(libc::EMFILE) {
+                let l = rustix::process::getrlimit(rustix::process::Resource::Nofile);
+                format!(
+                    "register_files_sparse({size}): {e}: a fixed-file table of {size} entries exceeds RLIMIT_NOFILE (soft {}, hard {}); raise `ulimit -n`",
+                    l.current.map_or("unlimited".into(), |v| v.to_string()),
+                    l.maximum.map_or("unlimited".into(), |v| v.to_string())
+                )
+            } else {
+                format!("register_files_sparse({size}): {e}")
+            }
+        })?;
         let mut fds: Vec<RawFd> = Vec::with_capacity(2 * mine.len());
         for &i in &mine {
             let f = &self.model.files()[i];
@@ -214,8 +314,10 @@ impl RingThread {
             .map_err(|e| format!("register_buffers_sparse: {e}"))
     }
 
-    fn run(mut self) {
-        self.arm_eventfd();
+    fn run(&mut self) {
+        if self.wake == Wake::Armed {
+            self.arm_eventfd();
+        }
         loop {
             let (reads, controls, shutdown) = {
                 let mut j = lock(&self.q.jobs);
@@ -227,20 +329,138 @@ impl RingThread {
             for job in reads {
                 self.submit(job);
             }
-            if shutdown && self.inflight == 0 && !self.eventfd_armed {
+            if self.q.panic_fault.swap(false, std::sync::atomic::Ordering::Relaxed) {
+                // Test-only (`Engine::inject_fault`): dies with chunks in flight.
+                panic!("injected fault: I/O thread panic on drive {}", self.device());
+            }
+            if shutdown && self.inflight == 0 && !self.eventfd_armed && !self.cancel_armed {
                 return;
             }
-            match self.ring.submit_and_wait(1) {
-                Ok(_) => {}
-                Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR | libc::EAGAIN | libc::EBUSY)) => {}
-                Err(e) => {
-                    // Nothing in flight may be abandoned: the kernel may still
-                    // write into those slots. Report, back off, and go on.
-                    tracing::error!(drive = %self.model.drives()[self.drive].device, "io_uring_enter: {e}");
-                    std::thread::sleep(std::time::Duration::from_millis(10));
-                }
+            if self.wake == Wake::Blocking && self.inflight == 0 && !self.cancel_armed && !shutdown {
+                self.block_on_eventfd();
+                continue;
+            }
+            self.q
+                .in_kernel
+                .store(self.inflight, std::sync::atomic::Ordering::Relaxed);
+            if let Some(why) = self.enter() {
+                return self.break_down(why);
             }
             self.reap();
+        }
+    }
+
+    /// One `io_uring_enter` (submit and wait for a completion). Failures are
+    /// retried with a backoff; past the budget with no completion reaped in
+    /// between, returns why the ring is broken.
+    fn enter(&mut self) -> Option<String> {
+        let fault = self.q.enter_fault.load(std::sync::atomic::Ordering::Relaxed);
+        let r = if fault != 0 {
+            Err(std::io::Error::from_raw_os_error(fault))
+        } else {
+            self.ring.submit_and_wait(1)
+        };
+        if !self.sqpoll {
+            let left = self.ring.submission().len();
+            while self.unconsumed.len() > left {
+                self.unconsumed.pop_front();
+            }
+        }
+        match r {
+            Ok(_) => {
+                self.failing_since = None;
+                None
+            }
+            Err(e) => {
+                let errno = e.raw_os_error().unwrap_or(0);
+                if self.failing_since.is_none() && errno != libc::EINTR {
+                    tracing::warn!(drive = %self.device(), "io_uring_enter: {e}; retrying (the ring is declared broken after {ENTER_FAILURE_BUDGET:?} of failures with no completion)");
+                }
+                let failing = self.failing_since.get_or_insert_with(Instant::now).elapsed();
+                if failing >= ENTER_FAILURE_BUDGET {
+                    return Some(format!(
+                        "io_uring_enter kept failing for {:.1} s ({e})",
+                        failing.as_secs_f64()
+                    ));
+                }
+                if errno != libc::EINTR {
+                    let step = if matches!(errno, libc::EAGAIN | libc::EBUSY) {
+                        1
+                    } else {
+                        10
+                    };
+                    std::thread::sleep(Duration::from_millis(step));
+                }
+                None
+            }
+        }
+    }
+
+    /// The ring cannot be entered any more: the drive takes no more work;
+    /// what never reached the kernel fails over (or fails); what it did
+    /// accept is waited for a while, then abandoned by `Drop`.
+    fn break_down(&mut self, why: String) {
+        tracing::error!(drive = %self.device(), "{why}: this drive's ring is broken; its reads fail over to other copies or fail (logged once)");
+        let why = format!("its ring is broken: {why}");
+        self.broken = Some(why.clone());
+        let queued = self.q.close(&why);
+        fail_queued(&self.io, self.drive, &why, queued);
+        // Entries the kernel never consumed: no enter will ever submit them
+        // now (a SQPOLL ring's poller might, so there they stay in flight).
+        if !self.sqpoll {
+            let never: Vec<u64> = self.unconsumed.drain(..).collect();
+            for ud in never {
+                if ud == EVENTFD_TAG {
+                    self.eventfd_armed = false;
+                    continue;
+                }
+                if ud == CANCEL_TAG {
+                    self.cancel_armed = false;
+                    continue;
+                }
+                if let Some(job) = self.take_entry(ud) {
+                    self.give_up(job, format!("drive {}: never submitted: {why}", self.device()));
+                }
+            }
+        }
+        // What the kernel accepted may still complete: keep reaping.
+        let deadline = Instant::now() + BROKEN_DRAIN;
+        let mut pause = Duration::from_millis(1);
+        while self.inflight > 0 && Instant::now() < deadline {
+            let _ = self.ring.submit_and_wait(1);
+            let before = self.inflight;
+            self.reap();
+            if self.inflight == before {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(100));
+            }
+        }
+        self.exit_reason = Some(why);
+    }
+
+    /// A job that cannot go on on this drive: another copy, or an error.
+    fn give_up(&mut self, job: Job, why: String) {
+        if let Some(again) = fail_copy(job, why.clone(), &self.io, self.drive) {
+            again.done(Some(Error::DriveStopped {
+                device: self.device().to_string(),
+                reason: why,
+            }));
+        }
+    }
+
+    /// No read can be armed on the eventfd: sleep in `read(2)` of it until a
+    /// caller notifies (only while nothing is in flight).
+    fn block_on_eventfd(&mut self) {
+        let Some(efd) = self.q.eventfd.as_ref() else {
+            return;
+        };
+        let mut buf = [0u8; 8];
+        match rustix::io::read(efd, &mut buf) {
+            Ok(_) | Err(rustix::io::Errno::INTR) => {}
+            Err(e) => {
+                tracing::error!(drive = %self.device(), "read(eventfd): {e}");
+                std::thread::sleep(Duration::from_millis(10));
+            }
         }
     }
 
@@ -254,10 +474,10 @@ impl RingThread {
                         iov_len: len,
                     })
                     .collect();
-                // Each iovec is a range of a live arena mapping; the kernel
-                // pins those pages for as long as they are registered.
-                // SAFETY: a read names these buffers only for a slot of that
-                // arena, which it keeps alive until the completion is reaped.
+                // SAFETY: each iovec is a range of a live arena mapping; the
+                // kernel pins those pages while they are registered, and a
+                // read names these buffers only for a slot of that arena,
+                // which its request keeps alive until the completion is reaped.
                 let r = unsafe { self.ring.submitter().register_buffers_update(first, &iov, None) };
                 let _ = reply.send(r);
             }
@@ -273,7 +493,19 @@ impl RingThread {
                 // No read names these entries any more: their arena (and so
                 // every slot of it) is gone.
                 if let Err(e) = unsafe { self.ring.submitter().register_buffers_update(first, &empty, None) } {
-                    tracing::warn!(drive = %self.model.drives()[self.drive].device, "unregistering fixed buffers {first}..{}: {e}", first + n);
+                    tracing::warn!(drive = %self.device(), "unregistering fixed buffers {first}..{}: {e}", first + n);
+                }
+            }
+            Control::CancelAll => {
+                // A polled ring takes only polled reads (they complete soon
+                // anyway): nothing to cancel there.
+                if !self.cancel_armed && !self.iopoll {
+                    let e = opcode::AsyncCancel2::new(types::CancelBuilder::any())
+                        .build()
+                        .user_data(CANCEL_TAG);
+                    // SAFETY: a cancel names no memory.
+                    unsafe { self.push_sqe(&e) };
+                    self.cancel_armed = true;
                 }
             }
         }
@@ -286,25 +518,41 @@ impl RingThread {
         let e = opcode::Read::new(types::Fd(efd.as_raw_fd()), self.eventfd_buf.as_mut_ptr(), 8)
             .build()
             .user_data(EVENTFD_TAG);
-        // SAFETY: the 8-byte buffer is owned by this thread's struct, which
-        // does not exit while the read is armed (`eventfd_armed`).
-        self.push_sqe(&e);
         self.eventfd_armed = true;
+        // SAFETY: the 8-byte buffer is owned by this thread's struct, and is
+        // leaked with the ring rather than freed while the read is armed
+        // (`eventfd_armed`; see `Drop`).
+        unsafe { self.push_sqe(&e) };
     }
 
-    fn push_sqe(&mut self, e: &io_uring::squeue::Entry) {
+    /// Pushes one entry, making room by submitting when the queue is full.
+    ///
+    /// # Safety
+    /// Every buffer `e` names must stay valid and unaliased until its
+    /// completion is reaped or the ring is leaked.
+    unsafe fn push_sqe(&mut self, e: &io_uring::squeue::Entry) {
         loop {
-            // SAFETY: every entry built here points at memory that outlives
-            // its completion (see the callers).
+            // SAFETY: the caller's obligation (above).
             if unsafe { self.ring.submission().push(e) }.is_ok() {
+                if !self.sqpoll {
+                    self.unconsumed.push_back(e.get_user_data());
+                }
                 return;
             }
             // The queue is sized above the credits, so this is rare: make room.
             let _ = self.ring.submit();
+            let left = self.ring.submission().len();
+            while self.unconsumed.len() > left {
+                self.unconsumed.pop_front();
+            }
         }
     }
 
     fn submit(&mut self, job: Job) {
+        if self.broken.is_some() {
+            let why = self.broken.clone().unwrap_or_default();
+            return self.give_up(job, why);
+        }
         if self.iopoll && !job.chunk.direct {
             // A polled ring takes only O_DIRECT I/O: buffered chunks go by
             // pread on this thread.
@@ -312,7 +560,7 @@ impl RingThread {
         }
         let file = &self.model.files()[job.chunk.file as usize];
         let fixed = self.fixed[job.chunk.file as usize].and_then(|(d, b)| if job.chunk.direct { d } else { Some(b) });
-        let ptr = (job.target.base + job.chunk.slot_off) as *mut u8;
+        let ptr = job.target.chunk_ptr(&job.chunk);
         macro_rules! read_entry {
             ($fd:expr) => {
                 match job.target.buf_index {
@@ -361,43 +609,117 @@ impl RingThread {
         };
         let gen = self.generation[idx as usize];
         let ud = idx as u64 | (gen as u64) << 32 | (job.chunk.seq as u64) << 48;
-        // SAFETY (for push_sqe): the destination is inside the slot owned by
-        // `job.req`; the job (and so the request and its slot) stays in the
-        // in-flight table until this entry's completion is reaped.
-        self.push_sqe(&e.user_data(ud));
+        // Into the table before the entry exists: from here on, however the
+        // thread ends, the job is abandoned (its slot leaked), never freed.
         self.table[idx as usize] = Some(job);
         self.inflight += 1;
+        // SAFETY: the destination is inside the slot owned by the job's
+        // request (planned by `window`/`chunk`, checked against the slot's
+        // length); the job stays in the in-flight table until this entry's
+        // completion is reaped, or is abandoned with its slot leaked.
+        unsafe { self.push_sqe(&e.user_data(ud)) };
         let c = &self.model.drives()[self.drive].counters;
         c.inflight_max
             .fetch_max(self.inflight as u64, std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// Removes the in-flight entry `ud` names, if it is live.
+    fn take_entry(&mut self, ud: u64) -> Option<Job> {
+        let idx = (ud & 0xffff_ffff) as usize;
+        let gen = (ud >> 32) as u16;
+        if self.generation.get(idx) != Some(&gen) || self.table[idx].is_none() {
+            return None;
+        }
+        let job = self.table[idx].take();
+        self.generation[idx] = gen.wrapping_add(1);
+        self.free.push(idx as u32);
+        self.inflight -= 1;
+        job
+    }
+
     fn reap(&mut self) {
         let mut reaped = std::mem::take(&mut self.reaped);
         reaped.extend(self.ring.completion().map(|c| (c.user_data(), c.result())));
+        if !reaped.is_empty() {
+            self.failing_since = None;
+        }
         for &(ud, res) in &reaped {
             if ud == EVENTFD_TAG {
                 self.eventfd_armed = false;
-                if !lock(&self.q.jobs).shutdown {
+                if res < 0 && res != -libc::ECANCELED {
+                    // Not re-armed blindly: an armed read that fails at once
+                    // would spin this thread. Sleep in read(2) instead.
+                    tracing::warn!(
+                        drive = %self.device(),
+                        "the ring's wake-up read failed ({}); the thread now sleeps in read(2) while idle",
+                        std::io::Error::from_raw_os_error(-res)
+                    );
+                    self.wake = Wake::Blocking;
+                } else if self.broken.is_none() && !lock(&self.q.jobs).shutdown {
                     self.arm_eventfd();
                 }
                 continue;
             }
-            let idx = (ud & 0xffff_ffff) as usize;
-            let gen = (ud >> 32) as u16;
-            if self.generation.get(idx) != Some(&gen) || self.table[idx].is_none() {
-                tracing::error!(user_data = ud, "completion for no in-flight chunk (ignored)");
+            if ud == CANCEL_TAG {
+                self.cancel_armed = false;
+                if res < 0 && !matches!(-res, libc::ENOENT | libc::EALREADY) {
+                    tracing::warn!(drive = %self.device(), "cancelling in-flight reads: {}", std::io::Error::from_raw_os_error(-res));
+                }
                 continue;
             }
-            let job = self.table[idx].take().expect("checked above");
-            self.generation[idx] = gen.wrapping_add(1);
-            self.free.push(idx as u32);
-            self.inflight -= 1;
+            let Some(job) = self.take_entry(ud) else {
+                tracing::error!(user_data = ud, res, "completion for no in-flight chunk (ignored)");
+                continue;
+            };
             if let Some(again) = settle(job, res, &self.io, self.drive) {
                 self.submit(again);
             }
         }
         reaped.clear();
         self.reaped = reaped;
+    }
+}
+
+impl Drop for RingThread {
+    fn drop(&mut self) {
+        let why = self
+            .exit_reason
+            .take()
+            .unwrap_or_else(|| "the engine was shut down".to_string());
+        // No more work: later pushes are refused, queued jobs fail over.
+        let queued = self.q.close(&why);
+        fail_queued(&self.io, self.drive, &why, queued);
+        let kernel_owns = self.inflight > 0 || self.eventfd_armed || self.cancel_armed;
+        if !kernel_owns {
+            // SAFETY: nothing is in flight (every pushed entry's completion
+            // was reaped), so the kernel writes into none of our memory;
+            // neither field is used again.
+            unsafe {
+                ManuallyDrop::drop(&mut self.ring);
+                ManuallyDrop::drop(&mut self.eventfd_buf);
+            }
+            return;
+        }
+        // The kernel may still write into slots of in-flight chunks and into
+        // the eventfd buffer: the ring (and so the mappings and pins the
+        // kernel holds) and the buffer are leaked, and every in-flight job
+        // is abandoned: its request fails, its slot is never reused.
+        let device = self.device().to_string();
+        let mut n = 0usize;
+        for job in self.table.iter_mut().filter_map(Option::take) {
+            n += 1;
+            job.abandon(Error::DriveStopped {
+                device: device.clone(),
+                reason: format!(
+                    "{why}; this read's chunk was still in the kernel, so its slot is leaked (never reused)"
+                ),
+            });
+        }
+        self.inflight = 0;
+        crate::stats::DriveCounters::add(&self.model.drives()[self.drive].counters.chunks_abandoned, n as u64);
+        tracing::error!(
+            drive = %device,
+            "{why}: {n} chunk(s) were still in the kernel; their slots and the ring are leaked, never reused; their reads fail"
+        );
     }
 }

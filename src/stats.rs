@@ -80,6 +80,9 @@ pub struct DriveCounters {
     /// Payload bytes read from this drive into a slot whose arena is bound
     /// to another NUMA node (both nodes known).
     pub cross_node_bytes: AtomicU64,
+    /// Chunks given up while the kernel still held them (the drive's I/O
+    /// thread stopped): their slots are leaked, never reused.
+    pub chunks_abandoned: AtomicU64,
     fallbacks: [AtomicU64; N_CAUSES],
     logged: [AtomicBool; N_CAUSES],
 }
@@ -148,6 +151,11 @@ pub struct DriveStats {
     pub thread_binding: Option<String>,
     /// Payload bytes landed in a slot on another NUMA node than this drive's.
     pub cross_node_bytes: u64,
+    /// Chunks given up while the kernel still held them (their slots leaked).
+    pub chunks_abandoned: u64,
+    /// Why the drive takes no more work (its I/O thread stopped); engines only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stopped: Option<String>,
 }
 
 /// Whether an optional kernel feature is in use, and why not.

@@ -6,7 +6,7 @@
 //!   against the generator), the mirror's drive counts failovers, and with
 //!   `stripe` / `adaptive` over 4096-byte chunks the truncated part is
 //!   certainly hit; then the primary copy truncated too: the reads that need
-//!   the lost bytes fail with `AllCopiesFailed` naming both copies, the
+//!   the lost bytes fail with `ReadFailed` naming both copies, the
 //!   others still succeed, and no read returns wrong bytes;
 //! - the primary truncated, the mirror intact, `hash` routing: the reads
 //!   hashed to the primary move to the mirror;
@@ -206,7 +206,11 @@ fn a_truncated_mirror_fails_over_then_both_truncated_fail_naming_both() {
                     (true, Ok(())) => panic!("{what}: {} read bytes no copy holds", t.name),
                     (true, Err(e)) => {
                         failed += 1;
-                        assert!(matches!(e, Error::AllCopiesFailed { .. }), "{what}: {}: {e:?}", t.name);
+                        assert!(
+                            matches!(e, Error::ReadFailed { copies: 2, .. }),
+                            "{what}: {}: {e:?}",
+                            t.name
+                        );
                         let msg = e.to_string();
                         for p in [&p_path, &m_path] {
                             assert!(

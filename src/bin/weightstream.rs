@@ -231,7 +231,9 @@ impl EngineArgs {
             c.chunk = Some(ch as usize);
         }
         c.sqpoll |= self.sqpoll;
-        c.iopoll |= self.iopoll;
+        if self.iopoll {
+            c.iopoll = weightstream::IoPoll::Auto;
+        }
         if let Some(v) = &self.numa {
             c.numa = parse_on_off("--numa", v)?;
         }
