@@ -121,6 +121,24 @@ pub fn measure(paths: &[PathBuf], cfg: &CeilingConfig) -> Result<CeilingReport> 
     })
 }
 
+/// One `io_uring_enter` waiting for a completion; EINTR, EAGAIN and EBUSY
+/// (a signal, a full completion queue) are retried, not errors.
+fn enter(ring: &mut IoUring) -> std::io::Result<usize> {
+    let mut tries = 0u32;
+    loop {
+        match ring.submit_and_wait(1) {
+            Ok(n) => return Ok(n),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR | libc::EAGAIN | libc::EBUSY)) && tries < 1000 => {
+                tries += 1;
+                if e.raw_os_error() != Some(libc::EINTR) {
+                    std::thread::sleep(std::time::Duration::from_micros(100));
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 struct Pending {
     file: usize,
     off: u64,
@@ -182,8 +200,27 @@ fn read_drive(device: &str, files: &[PathBuf], cfg: &CeilingConfig) -> Result<Dr
         if inflight == 0 {
             break;
         }
-        ring.submit_and_wait(1)
-            .map_err(|e| Error::io(Path::new(device), "io_uring_enter", e))?;
+        if let Err(e) = enter(&mut ring) {
+            // Stop issuing, and drain what the kernel holds before any slot
+            // can go: keep reaping for a while; if the ring cannot be
+            // entered at all, leak the ring and the slots rather than free
+            // memory the kernel may still write.
+            first_err.get_or_insert(Error::io(Path::new(device), "io_uring_enter", e));
+            let deadline = Instant::now() + std::time::Duration::from_secs(10);
+            while inflight > 0 && Instant::now() < deadline {
+                let _ = enter(&mut ring);
+                inflight -= ring.completion().count();
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            if inflight > 0 {
+                tracing::error!(device, "ceiling: {inflight} read(s) still in the kernel after io_uring_enter failed; their buffers are leaked");
+                std::mem::forget(slots);
+                std::mem::forget(arena);
+                std::mem::forget(ring);
+                return Err(first_err.expect("set above"));
+            }
+            break;
+        }
         for c in ring.completion() {
             let i = (c.user_data() & 0xffff_ffff) as usize;
             let file = (c.user_data() >> 32) as usize;
@@ -198,7 +235,7 @@ fn read_drive(device: &str, files: &[PathBuf], cfg: &CeilingConfig) -> Result<Dr
         }
     }
     let seconds = t0.elapsed().as_secs_f64();
-    drop(slots.drain(..));
+    drop(slots);
     if let Some(e) = first_err {
         return Err(e);
     }

@@ -439,3 +439,98 @@ pub fn move_files(from: &Path, to: &Path, names: &[&str]) {
         std::fs::remove_file(from.join(n)).unwrap();
     }
 }
+
+/// Drives made by `simdrives` (each its own loop or zram device, ext4, with
+/// a read-bandwidth cap), for tests that need a slow drive (a read that
+/// stays in the kernel for seconds) or two independent drives. Root only:
+/// `up` returns `None` with a SKIP notice elsewhere. Torn down on drop.
+pub struct SimDrives {
+    base: PathBuf,
+    script: PathBuf,
+    pub mounts: Vec<PathBuf>,
+}
+
+impl SimDrives {
+    /// `n` drives of `kind` (loop, zram, memloop) capped at `mbps` (MB/s,
+    /// comma-separated per drive; 0 = no cap), 1 GiB each.
+    pub fn up(n: usize, kind: &str, mbps: &str) -> Option<Self> {
+        if !rustix::process::geteuid().is_root() {
+            eprintln!("SKIP: simdrives needs root");
+            return None;
+        }
+        let script = [
+            std::env::var_os("WEIGHTSTREAM_SIMDRIVES").map(PathBuf::from),
+            Some(Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/tools/simdrives")),
+            Some(Path::new(env!("CARGO_MANIFEST_DIR")).join("ci/simdrives")),
+        ]
+        .into_iter()
+        .flatten()
+        .find(|p| p.is_file())?;
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let base = PathBuf::from(format!(
+            "/tmp/ws-simdrives-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ));
+        let out = Command::new(&script)
+            .args([
+                "up",
+                &n.to_string(),
+                "--kind",
+                kind,
+                "--mbps",
+                mbps,
+                "--size",
+                "1",
+                "--base",
+            ])
+            .arg(&base)
+            .env("SIMDRIVES_BASE", &base)
+            .output()
+            .expect("run simdrives");
+        let me = SimDrives {
+            base,
+            script,
+            mounts: String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .map(PathBuf::from)
+                .collect(),
+        };
+        if !out.status.success() || me.mounts.len() != n {
+            eprintln!(
+                "SKIP: simdrives up {n} --kind {kind} failed: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+            return None;
+        }
+        // The caps apply to processes in simdrives' cgroup: join it.
+        for dir in ["/sys/fs/cgroup/blkio/simdrives", "/sys/fs/cgroup/simdrives"] {
+            let procs = Path::new(dir).join("cgroup.procs");
+            if procs.exists() {
+                std::fs::write(&procs, std::process::id().to_string()).expect("join the simdrives cgroup");
+                break;
+            }
+        }
+        Some(me)
+    }
+
+    /// Changes drive `k`'s cap (0 = none).
+    pub fn throttle(&self, k: usize, mbps: u64) {
+        let ok = Command::new(&self.script)
+            .args(["throttle", &k.to_string(), &mbps.to_string()])
+            .env("SIMDRIVES_BASE", &self.base)
+            .status()
+            .expect("run simdrives throttle")
+            .success();
+        assert!(ok, "simdrives throttle {k} {mbps} failed");
+    }
+}
+
+impl Drop for SimDrives {
+    fn drop(&mut self) {
+        let _ = Command::new(&self.script)
+            .arg("down")
+            .env("SIMDRIVES_BASE", &self.base)
+            .status();
+    }
+}
