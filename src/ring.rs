@@ -705,9 +705,12 @@ impl Drop for RingThread {
         // kernel holds) and the buffer are leaked, and every in-flight job
         // is abandoned: its request fails, its slot is never reused.
         let device = self.device().to_string();
-        let mut n = 0usize;
-        for job in self.table.iter_mut().filter_map(Option::take) {
-            n += 1;
+        let jobs: Vec<Job> = self.table.iter_mut().filter_map(Option::take).collect();
+        let n = jobs.len();
+        self.inflight = 0;
+        // Counted before the tickets hear of it.
+        crate::stats::DriveCounters::add(&self.model.drives()[self.drive].counters.chunks_abandoned, n as u64);
+        for job in jobs {
             job.abandon(Error::DriveStopped {
                 device: device.clone(),
                 reason: format!(
@@ -715,8 +718,6 @@ impl Drop for RingThread {
                 ),
             });
         }
-        self.inflight = 0;
-        crate::stats::DriveCounters::add(&self.model.drives()[self.drive].counters.chunks_abandoned, n as u64);
         tracing::error!(
             drive = %device,
             "{why}: {n} chunk(s) were still in the kernel; their slots and the ring are leaked, never reused; their reads fail"
