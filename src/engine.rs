@@ -376,18 +376,7 @@ impl Engine {
                 }
                 Err(ring::StartError::Spawn(e)) => return Err(spawn_error(model, e)),
                 Err(ring::StartError::Setup(e)) => {
-                    let hint = match e.raw_os_error() {
-                        Some(libc::EPERM) => ": kernel.io_uring_disabled or a seccomp profile".to_string(),
-                        Some(libc::ENOSYS) => ": kernel without io_uring or a seccomp profile".to_string(),
-                        Some(libc::ENOMEM) => {
-                            let (soft, _) = memlock_limit();
-                            format!(
-                                ": out of memory, or RLIMIT_MEMLOCK ({}) too low for the rings (kernels before 5.12 charge rings to it; raise `ulimit -l`)",
-                                soft.map_or("unlimited".to_string(), |s| format!("{} KiB", s / 1024))
-                            )
-                        }
-                        _ => String::new(),
-                    };
+                    let hint = setup_hint(e.raw_os_error(), memlock_limit().0);
                     if config.backend != BackendChoice::Auto {
                         return Err(Error::Config(format!(
                             "io_uring_setup failed: {e}{hint}; use --backend pread (or auto)"
@@ -1090,6 +1079,19 @@ fn start_rings(
     ))
 }
 
+/// What to do about an `io_uring_setup` failure, by errno.
+fn setup_hint(errno: Option<i32>, memlock_soft: Option<u64>) -> String {
+    match errno {
+        Some(libc::EPERM) => ": kernel.io_uring_disabled or a seccomp profile".to_string(),
+        Some(libc::ENOSYS) => ": kernel without io_uring or a seccomp profile".to_string(),
+        Some(libc::ENOMEM) => format!(
+            ": out of memory, or RLIMIT_MEMLOCK ({}) too low for the rings (kernels before 5.12 charge rings to it; raise `ulimit -l`)",
+            memlock_soft.map_or("unlimited".to_string(), |s| format!("{} KiB", s / 1024))
+        ),
+        _ => String::new(),
+    }
+}
+
 /// A thread could not be created: no backend works without threads.
 fn spawn_error(model: &Model, e: std::io::Error) -> Error {
     let hint = if e.raw_os_error() == Some(libc::EAGAIN) {
@@ -1214,5 +1216,19 @@ impl Drop for Ticket {
         self.req.forget_waker();
         // SAFETY: `req` is dropped exactly once, here, and not used after.
         unsafe { std::mem::ManuallyDrop::drop(&mut self.req) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn setup_failures_say_what_to_do() {
+        let h = setup_hint(Some(libc::ENOMEM), Some(64 << 10));
+        assert!(h.contains("RLIMIT_MEMLOCK (64 KiB)") && h.contains("ulimit -l"), "{h}");
+        assert!(setup_hint(Some(libc::EPERM), None).contains("io_uring_disabled"));
+        assert!(setup_hint(Some(libc::ENOSYS), None).contains("kernel without io_uring"));
+        assert_eq!(setup_hint(Some(libc::EINVAL), None), "");
     }
 }
