@@ -10,9 +10,8 @@ use std::fs::File;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
-use safetensors::tensor::Dtype;
-
 use crate::container::ShardHeader;
+use crate::dtype::Dtype;
 use crate::error::{Error, Result};
 
 /// File name of the sharded-model index.
