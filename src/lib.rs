@@ -50,7 +50,7 @@ pub use dtype::Dtype;
 pub use engine::{BackendChoice, DrivePlacement, Engine, EngineConfig, Ticket};
 pub use error::{Error, Result};
 pub use layout::{ModelConfig, RoutePolicy, Weights};
-pub use model::Model;
+pub use model::{Model, VerifyReport};
 pub use stats::{FallbackCause, Stats};
 
 /// Internals exposed only for the microbenchmarks in `benches/` (not a

@@ -208,6 +208,9 @@ pub(crate) fn settle(mut job: Job, res: i32, io: &Io, drive_index: usize) -> Opt
         Next::Eof { at } => format!("end of file at byte {at} (truncated after it was opened?)"),
         Next::Fail { errno } => std::io::Error::from_raw_os_error(errno).to_string(),
     };
+    // A file changed after open (truncated, replaced) says so (one fstat and
+    // one stat, only on this failure path; warned once per file).
+    let failure = file.explain_failure(failure);
     // This copy failed: the next copy of the shard that has not failed yet
     // (after this one, wrapping to the primary), else the read fails.
     io.loads[drive_index].done(job.chunk.len as u64, false);
