@@ -682,6 +682,8 @@ fn digest(
     };
     if json {
         let map: serde_json::Map<String, serde_json::Value> = sums.into_iter().map(|(n, h)| (n, h.into())).collect();
+        // Serialised first: an error, not a panic inside `json!`.
+        let stats = serde_json::to_value(&stats)?;
         println!(
             "{}",
             serde_json::to_string_pretty(&serde_json::json!({"tensors": map, "stats": stats}))?
