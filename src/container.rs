@@ -2,19 +2,22 @@
 //! the data section.
 //!
 //! Layout: 8-byte little-endian header length `n`, `n` bytes of JSON, then
-//! the data section. The `safetensors` crate's `Metadata` deserialisation
-//! checks dtypes, that offsets are sorted-contiguous from 0, and that
-//! dtype x shape equals each byte length; this module adds the checks it
-//! leaves to callers that hold the whole file (length bounds against the
-//! file size, the leading `{`, and `8 + n + data == size`), so only the
-//! header has to be in memory.
+//! the data section. Every check of the reference reader (safetensors 0.8)
+//! is made here, on the header alone: the JSON table (tensor entries of
+//! `dtype`, `shape`, `data_offsets`, and an optional `__metadata__` map of
+//! strings, deserialised the way the reference does), dtypes
+//! ([`Dtype`]: exactly the reference's list), offsets sorted-contiguous
+//! from 0, dtype x shape = byte length (sub-byte dtypes must fill whole
+//! bytes; overflow refused), and `8 + n + data == file size`. Stricter than
+//! the reference: the header must start with `{`. Only the header has to
+//! be in memory.
 
+use std::collections::HashMap;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use safetensors::tensor::{Dtype, Metadata};
-
+use crate::dtype::Dtype;
 use crate::error::{Error, HeaderError, Result};
 
 /// The largest header accepted, as in the reference reader (100 MB).
@@ -124,8 +127,17 @@ fn parse_raw(raw: Vec<u8>, size: u64) -> Result<ShardHeader, HeaderError> {
         return Err(HeaderError::NotAnObject { first: body[0] });
     }
     let text = std::str::from_utf8(body).map_err(|e| HeaderError::Utf8(e.to_string()))?;
-    let meta: Metadata = serde_json::from_str(text).map_err(|e| HeaderError::Invalid(e.to_string()))?;
-    let data_len = meta.data_len() as u64;
+    let table: Table = serde_json::from_str(text).map_err(|e| {
+        let m = e.to_string();
+        // serde says "unknown variant"; the field it is about is a dtype.
+        HeaderError::Invalid(if m.starts_with("unknown variant") {
+            format!("unknown dtype: {m}")
+        } else {
+            m
+        })
+    })?;
+    let tensors = validate(table.tensors).map_err(HeaderError::Invalid)?;
+    let data_len = tensors.last().map_or(0, |t| t.end);
     let expected = (8 + n).saturating_add(data_len);
     if expected != size {
         return Err(HeaderError::SizeMismatch {
@@ -135,28 +147,85 @@ fn parse_raw(raw: Vec<u8>, size: u64) -> Result<ShardHeader, HeaderError> {
             size,
         });
     }
-    let tensors = meta
-        .offset_keys()
-        .into_iter()
-        .map(|name| {
-            let info = meta.info(&name).expect("offset_keys names come from the table");
-            TensorEntry {
-                dtype: info.dtype,
-                shape: info.shape.clone(),
-                begin: info.data_offsets.0 as u64,
-                end: info.data_offsets.1 as u64,
-                name,
-            }
-        })
-        .collect();
     Ok(ShardHeader {
         header_len: n,
         data_start: 8 + n,
         file_size: size,
         tensors,
-        metadata: meta.metadata().clone(),
+        metadata: table.metadata,
         raw,
     })
+}
+
+/// The JSON table as the reference reader deserialises it (its
+/// `HashMetadata`): `__metadata__` (null or a map of strings), every other
+/// key a tensor. Deriving the same shapes keeps the same acceptance,
+/// quirks included (a later duplicate key replaces an earlier one; a tensor
+/// entry may be an object or a 3-element array; unknown fields are
+/// ignored).
+#[derive(serde::Deserialize)]
+struct Table {
+    #[serde(rename = "__metadata__")]
+    metadata: Option<HashMap<String, String>>,
+    #[serde(flatten)]
+    tensors: HashMap<String, Info>,
+}
+
+#[derive(serde::Deserialize)]
+struct Info {
+    dtype: Dtype,
+    shape: Vec<usize>,
+    data_offsets: (usize, usize),
+}
+
+/// Sorts the tensors by offsets (then name, so the order is deterministic
+/// where zero-length tensors share an offset) and checks each: offsets
+/// contiguous from 0, `dtype x shape` a whole number of bytes (sub-byte
+/// dtypes) equal to the span, no overflow (the reference's arithmetic, in
+/// `usize`).
+fn validate(table: HashMap<String, Info>) -> Result<Vec<TensorEntry>, String> {
+    let mut v: Vec<(String, Info)> = table.into_iter().collect();
+    v.sort_by(|(an, a), (bn, b)| a.data_offsets.cmp(&b.data_offsets).then_with(|| an.cmp(bn)));
+    let mut at = 0usize;
+    let mut out = Vec::with_capacity(v.len());
+    for (name, info) in v {
+        let (begin, end) = info.data_offsets;
+        if begin != at || end < begin {
+            return Err(format!(
+                "tensor {name:?}: data_offsets [{begin}, {end}] do not continue where the previous tensor ends \
+                 (byte {at} of the data section): offsets must be contiguous from 0, each end >= its start"
+            ));
+        }
+        at = end;
+        let shape = &info.shape;
+        let dtype = info.dtype;
+        let bits = shape
+            .iter()
+            .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+            .and_then(|elements| elements.checked_mul(dtype.bits() as usize))
+            .ok_or_else(|| format!("tensor {name:?}: dtype {dtype} x shape {shape:?} overflows"))?;
+        if bits % 8 != 0 {
+            return Err(format!(
+                "tensor {name:?}: dtype {dtype} x shape {shape:?} = {bits} bits, not a whole number of bytes \
+                 (sub-byte dtypes must fill their last byte)"
+            ));
+        }
+        if bits / 8 != end - begin {
+            return Err(format!(
+                "tensor {name:?}: dtype {dtype} x shape {shape:?} = {} bytes, but data_offsets [{begin}, {end}] span {} bytes",
+                bits / 8,
+                end - begin
+            ));
+        }
+        out.push(TensorEntry {
+            name,
+            dtype,
+            shape: info.shape,
+            begin: begin as u64,
+            end: end as u64,
+        });
+    }
+    Ok(out)
 }
 
 /// `pread` until `buf` is full; end of file is an error naming the file.
@@ -227,6 +296,44 @@ mod tests {
         let mut raw = 3u64.to_le_bytes().to_vec();
         raw.extend_from_slice(&[b'{', 0xff, b'}']);
         assert!(matches!(parse_raw(raw, 11), Err(HeaderError::Utf8(_))));
+    }
+
+    #[test]
+    fn reference_dtypes_and_sub_byte_rules() {
+        // Dtypes the 0.6 crate refused and the reference reads.
+        for (dt, n, bytes) in [("C64", 2, 16), ("F8_E4M3FNUZ", 3, 3), ("F8_E5M2FNUZ", 3, 3)] {
+            let h = format!(r#"{{"a":{{"dtype":"{dt}","shape":[{n}],"data_offsets":[0,{bytes}]}}}}"#);
+            let s = parse(&h, bytes).unwrap_or_else(|e| panic!("{dt}: {e}"));
+            assert_eq!(s.tensors[0].dtype.name(), dt);
+        }
+        // F4 x 6 = 3 bytes; F6 x 4 = 3 bytes; F4 x 3 = 12 bits: refused.
+        parse(r#"{"a":{"dtype":"F4","shape":[2,3],"data_offsets":[0,3]}}"#, 3).unwrap();
+        parse(r#"{"a":{"dtype":"F6_E3M2","shape":[4],"data_offsets":[0,3]}}"#, 3).unwrap();
+        let e = parse(r#"{"a":{"dtype":"F4","shape":[3],"data_offsets":[0,2]}}"#, 2).unwrap_err();
+        assert!(e.to_string().contains("12 bits, not a whole number of bytes"), "{e}");
+        let e = parse(r#"{"a":{"dtype":"C64","shape":[2],"data_offsets":[0,8]}}"#, 8).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("= 16 bytes, but data_offsets [0, 8] span 8 bytes"),
+            "{e}"
+        );
+        let big = r#"{"a":{"dtype":"U64","shape":[4611686018427387904,4],"data_offsets":[0,0]}}"#;
+        assert!(parse(big, 0).unwrap_err().to_string().contains("overflows"));
+        // Scalars and empty tensors; zero-length tensors sharing an offset
+        // come out in name order.
+        let h = r#"{"s":{"dtype":"F32","shape":[],"data_offsets":[0,4]},"z":{"dtype":"F32","shape":[0,3],"data_offsets":[4,4]},"y":{"dtype":"BF16","shape":[0],"data_offsets":[4,4]}}"#;
+        let s = parse(h, 4).unwrap();
+        let names: Vec<_> = s.tensors.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names, ["s", "y", "z"]);
+        // __metadata__: strings only; null is none.
+        let m = r#"{"__metadata__":{"k":"v"},"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}"#;
+        assert_eq!(parse(m, 1).unwrap().metadata.unwrap()["k"], "v");
+        let m = r#"{"__metadata__":null,"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}"#;
+        assert!(parse(m, 1).unwrap().metadata.is_none());
+        let m = r#"{"__metadata__":{"k":1},"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}"#;
+        assert!(matches!(parse(m, 1), Err(HeaderError::Invalid(_))));
+        // An empty table is a valid (empty) shard.
+        assert!(parse("{}", 0).unwrap().tensors.is_empty());
     }
 
     #[test]

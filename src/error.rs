@@ -36,7 +36,7 @@ pub enum HeaderError {
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// A system call on a file failed.
-    #[error("{}: {op}: {source}", path.display())]
+    #[error("{}: {op}: {source}", crate::layout::escape(path))]
     Io {
         path: PathBuf,
         op: &'static str,
@@ -44,13 +44,16 @@ pub enum Error {
         source: std::io::Error,
     },
     /// A shard's header was refused; nothing was read from its data.
-    #[error("{}: refused safetensors header: {cause}", path.display())]
+    #[error("{}: refused safetensors header: {cause}", crate::layout::escape(path))]
     Header { path: PathBuf, cause: HeaderError },
     /// A model directory or index is inconsistent.
-    #[error("{}: {cause}", path.display())]
+    #[error("{}: {cause}", crate::layout::escape(path))]
     Catalog { path: PathBuf, cause: String },
     /// A requested range is not inside the file: untrusted container.
-    #[error("{}: range [{start}, {end}) is outside the file ({size} bytes): untrusted container", path.display())]
+    #[error(
+        "{}: range [{start}, {end}) is outside the file ({size} bytes): untrusted container",
+        crate::layout::escape(path)
+    )]
     OutOfRange {
         path: PathBuf,
         start: u64,
@@ -58,7 +61,7 @@ pub enum Error {
         size: u64,
     },
     /// The file ended before a read inside its validated size completed.
-    #[error("{}: {op}: end of file at byte {at} while reading [{start}, {end}); was the file truncated after it was opened?", path.display())]
+    #[error("{}: {op}: end of file at byte {at} while reading [{start}, {end}); was the file truncated after it was opened?", crate::layout::escape(path))]
     UnexpectedEof {
         path: PathBuf,
         op: &'static str,

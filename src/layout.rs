@@ -217,10 +217,28 @@ pub struct Root {
     pub dev: u64,
 }
 
-/// Shows control characters escaped, so a refusal can be read and matched
-/// against what was typed.
-pub fn escape(p: &Path) -> String {
-    p.to_string_lossy().chars().flat_map(char::escape_debug).collect()
+/// Shows a path or file name for people: control characters escaped (so a
+/// refusal can be read and matched against what was typed), and bytes that
+/// are not UTF-8 as `\xNN` (names need not be UTF-8; two names that differ
+/// only in such bytes still show differently, which a lossy display would
+/// not). Identity is never the escaped form: names stay `OsStr`/`Path`.
+pub fn escape(p: impl AsRef<std::ffi::OsStr>) -> String {
+    use std::fmt::Write;
+    use std::os::unix::ffi::OsStrExt;
+    let mut out = String::new();
+    for chunk in p.as_ref().as_bytes().utf8_chunks() {
+        out.extend(chunk.valid().chars().flat_map(char::escape_debug));
+        for b in chunk.invalid() {
+            let _ = write!(out, "\\x{b:02x}");
+        }
+    }
+    out
+}
+
+/// Serialises a path or name as its [`escape`]d text (serde's own
+/// `Path` serialisation fails on names that are not UTF-8).
+pub fn serialize_escaped<T: AsRef<std::ffi::OsStr>, S: serde::Serializer>(v: &T, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&escape(v))
 }
 
 fn refuse(given: &Path, role: RootRole, why: &str) -> Error {
@@ -335,5 +353,15 @@ mod tests {
     #[test]
     fn escape_shows_control_characters() {
         assert_eq!(escape(Path::new("/a\nb\tc")), "/a\\nb\\tc");
+    }
+
+    #[test]
+    fn escape_shows_invalid_bytes_distinctly() {
+        use std::os::unix::ffi::OsStrExt;
+        let a = std::ffi::OsStr::from_bytes(b"/m/a\xff.safetensors");
+        let b = std::ffi::OsStr::from_bytes(b"/m/a\xfe.safetensors");
+        assert_eq!(escape(a), "/m/a\\xff.safetensors");
+        assert_ne!(escape(a), escape(b));
+        assert_eq!(escape("caf\u{e9}"), "caf\u{e9}");
     }
 }

@@ -24,6 +24,7 @@ pub mod ceiling;
 mod chunk;
 pub mod container;
 pub mod direct;
+pub mod dtype;
 pub mod engine;
 pub mod error;
 mod fork;
@@ -46,10 +47,11 @@ pub mod window;
 pub use arena::{Arena, Slot, SlotSpec};
 pub use catalog::{Catalog, TensorRef};
 pub use direct::{DirectMode, Loaded};
+pub use dtype::Dtype;
 pub use engine::{BackendChoice, DrivePlacement, Engine, EngineConfig, IoPoll, ShutdownReport, Ticket};
 pub use error::{Error, Result};
 pub use layout::{ModelConfig, RoutePolicy, Weights};
-pub use model::Model;
+pub use model::{Model, VerifyReport};
 pub use stats::{FallbackCause, Stats};
 
 /// Internals exposed only for the microbenchmarks in `benches/` (not a

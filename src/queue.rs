@@ -381,6 +381,9 @@ pub(crate) fn settle(mut job: Job, res: i32, io: &Io, drive_index: usize) -> Opt
         Next::Eof { at } => format!("end of file at byte {at} (truncated after it was opened?)"),
         Next::Fail { errno } => std::io::Error::from_raw_os_error(errno).to_string(),
     };
+    // A file changed after open (truncated, replaced) says so (one fstat and
+    // one stat, only on this failure path; warned once per file).
+    let failure = file.explain_failure(failure);
     fail_copy(job, failure, io, drive_index)
 }
 
@@ -463,7 +466,7 @@ pub(crate) fn fail_copy(mut job: Job, why: String, io: &Io, drive_index: usize) 
     let causes: Vec<String> = job
         .failures
         .iter()
-        .map(|(f, why)| format!("{}: {why}", model.files()[*f as usize].path.display()))
+        .map(|(f, why)| format!("{}: {why}", crate::layout::escape(&model.files()[*f as usize].path)))
         .collect();
     let mut causes = causes.join("; ");
     if cancelled {

@@ -155,7 +155,7 @@ fn a_truncated_mirror_fails_over_then_both_truncated_fail_naming_both() {
                 .catalog()
                 .shards()
                 .iter()
-                .position(|s| s.name == shard_name)
+                .position(|s| s.name == shard_name.as_str())
                 .unwrap();
             assert_eq!(model.copies(si).len(), 2);
             let (pd, md) = (drive_of(&model, &fx.primary), drive_of(&model, &m));

@@ -190,7 +190,8 @@ impl Setup {
         .expect("open the laid-out model");
         // The layout is what this test thinks it is.
         for (i, s) in m.catalog().shards().iter().enumerate() {
-            assert_eq!(m.copies(i).len(), self.copies[&s.name], "copies of {}", s.name);
+            let name = s.name.to_str().unwrap();
+            assert_eq!(m.copies(i).len(), self.copies[name], "copies of {name}");
         }
         assert_eq!(m.catalog().shards().len(), self.copies.len());
         m

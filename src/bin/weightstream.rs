@@ -10,6 +10,7 @@ use clap::{Parser, Subcommand};
 use sha2::{Digest, Sha256};
 use weightstream::bench::{Arm, BenchConfig};
 use weightstream::ceiling::CeilingConfig;
+use weightstream::layout::escape;
 use weightstream::synth::{self, SynthSpec};
 use weightstream::{Arena, DirectMode, Engine, EngineConfig, Model, ModelConfig};
 
@@ -53,6 +54,24 @@ enum Cmd {
         engine: EngineArgs,
         #[command(flatten)]
         layout: LayoutArgs,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Re-check a model's files: each copy opened, proven and re-read (header), with --digest every tensor
+    /// of every copy hashed (mirror copies compared with the primary), with --against compared with an
+    /// earlier `verify --json` record (inode, size, ctime, header, digests). Exit status 0: nothing changed;
+    /// 1: something changed (each file named with what changed); 2: the check could not run.
+    Verify {
+        model_dir: PathBuf,
+        /// Hash every tensor of every copy (reads the whole model, buffered, page cache dropped after).
+        #[arg(long)]
+        digest: bool,
+        /// A report saved by an earlier `verify --json` (with --digest, to compare payloads too).
+        #[arg(long)]
+        against: Option<PathBuf>,
+        #[command(flatten)]
+        layout: LayoutArgs,
+        /// The report as JSON (save it to compare against later).
         #[arg(long)]
         json: bool,
     },
@@ -296,6 +315,23 @@ fn main() -> ExitCode {
         .with_target(false)
         .init();
     let r = match cli.cmd {
+        // Its own exit status: 0 nothing changed, 1 changed, 2 could not check.
+        Cmd::Verify {
+            model_dir,
+            digest,
+            against,
+            layout,
+            json,
+        } => {
+            return match verify(&model_dir, digest, against.as_deref(), &layout, json) {
+                Ok(true) => ExitCode::SUCCESS,
+                Ok(false) => ExitCode::from(1),
+                Err(e) => {
+                    eprintln!("{}", error_text(&*e));
+                    ExitCode::from(2)
+                }
+            }
+        }
         Cmd::Inspect {
             model_dir,
             layout,
@@ -355,20 +391,83 @@ fn main() -> ExitCode {
     match r {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            let mut msg = format!("weightstream: error: {e}");
-            let mut src = std::error::Error::source(&*e);
-            while let Some(s) = src {
-                // Messages that already state their cause are not repeated.
-                let cause = s.to_string();
-                if !msg.contains(&cause) {
-                    msg.push_str(&format!(": {cause}"));
-                }
-                src = s.source();
-            }
-            eprintln!("{msg}");
+            eprintln!("{}", error_text(&*e));
             ExitCode::FAILURE
         }
     }
+}
+
+/// `weightstream: error: ...` with the chain of causes.
+fn error_text(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut msg = format!("weightstream: error: {e}");
+    let mut src = e.source();
+    while let Some(s) = src {
+        // Messages that already state their cause are not repeated.
+        let cause = s.to_string();
+        if !msg.contains(&cause) {
+            msg.push_str(&format!(": {cause}"));
+        }
+        src = s.source();
+    }
+    msg
+}
+
+/// `weightstream verify`: Ok(true) when nothing changed.
+fn verify(
+    dir: &std::path::Path,
+    digest: bool,
+    against: Option<&std::path::Path>,
+    layout: &LayoutArgs,
+    json: bool,
+) -> Result<bool, Box<dyn std::error::Error>> {
+    let earlier: Option<weightstream::VerifyReport> = match against {
+        Some(p) => {
+            let text = std::fs::read(p).map_err(|e| format!("{}: read the record: {e}", escape(p)))?;
+            Some(
+                serde_json::from_slice(&text)
+                    .map_err(|e| format!("{}: not a `weightstream verify --json` report: {e}", escape(p)))?,
+            )
+        }
+        None => None,
+    };
+    let model = Model::open(layout.config(dir, None)?)?;
+    let mut report = model.verify(digest)?;
+    if let Some(e) = &earlier {
+        report.compare_with(e);
+    }
+    let clean = report.is_clean();
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(clean);
+    }
+    let mut out = std::io::stdout().lock();
+    for f in report.changed() {
+        let what: Vec<String> = f.changes.iter().map(ToString::to_string).collect();
+        writeln!(out, "CHANGED {} (copy rank {}): {}", f.path, f.rank, what.join("; "))?;
+    }
+    let digests: usize = report.files.iter().map(|f| f.tensors.len()).sum();
+    let changed = report.changed().count();
+    writeln!(
+        out,
+        "{}: {} file(s) checked{}{}: {}",
+        escape(dir),
+        report.files.len(),
+        if digest {
+            format!(", {digests} tensor digest(s)")
+        } else {
+            String::new()
+        },
+        match against {
+            Some(p) => format!(", against {}", escape(p)),
+            None => String::new(),
+        },
+        if clean {
+            "nothing changed".to_string()
+        } else {
+            format!("{changed} changed")
+        }
+    )?;
+    Ok(clean)
 }
 
 type CliResult = Result<(), Box<dyn std::error::Error>>;
@@ -395,11 +494,11 @@ fn inspect(dir: PathBuf, layout: &LayoutArgs, numa: Option<&str>, json: bool) ->
     let cat = model.catalog();
     let copy_json = |f: &weightstream::model::ShardFile| {
         serde_json::json!({
-            "path": f.path,
+            "path": escape(&f.path),
             "rank": f.rank,
             "drive": model.drives()[f.drive].device,
             "fs_type": f.topo.fs_type,
-            "mount": f.topo.mount,
+            "mount": escape(&f.topo.mount),
             "dio_offset_align": f.topo.dio_offset_align,
             "dio_mem_align": f.topo.dio_mem_align,
             "align_source": f.topo.align_source,
@@ -415,7 +514,7 @@ fn inspect(dir: PathBuf, layout: &LayoutArgs, numa: Option<&str>, json: bool) ->
             // The primary copy's fields at the top level, every copy under "copies".
             let mut v = copy_json(&model.files()[i]);
             let o = v.as_object_mut().expect("an object");
-            o.insert("name".into(), s.name.clone().into());
+            o.insert("name".into(), escape(&s.name).into());
             o.insert("size".into(), model.files()[i].size.into());
             o.insert("header_len".into(), s.header.header_len.into());
             o.insert("data_start".into(), s.header.data_start.into());
@@ -428,8 +527,12 @@ fn inspect(dir: PathBuf, layout: &LayoutArgs, numa: Option<&str>, json: bool) ->
         .collect();
     let refused: Vec<_> = model.copy_report().iter().filter(|c| !c.accepted).collect();
     if json {
+        // Serialised first: an error (not a panic in `json!`) if a field
+        // cannot be.
+        let refused = serde_json::to_value(&refused)?;
+        let drives = serde_json::to_value(&drive_stats)?;
         let v = serde_json::json!({
-            "dir": cat.dir(),
+            "dir": escape(cat.dir()),
             "shards": shards,
             "tensors": cat.tensors().len(),
             "bytes": cat.total_bytes(),
@@ -437,7 +540,7 @@ fn inspect(dir: PathBuf, layout: &LayoutArgs, numa: Option<&str>, json: bool) ->
             "weights": model.rank_weights(),
             "refused_copies": refused,
             "numa_provider": provider,
-            "drives": drive_stats,
+            "drives": drives,
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
@@ -446,7 +549,7 @@ fn inspect(dir: PathBuf, layout: &LayoutArgs, numa: Option<&str>, json: bool) ->
     writeln!(
         out,
         "model {}: {} shard(s), {} tensor(s), {} bytes; route {}, weights per copy rank {:?}",
-        cat.dir().display(),
+        escape(cat.dir()),
         cat.shards().len(),
         cat.tensors().len(),
         cat.total_bytes(),
@@ -458,7 +561,7 @@ fn inspect(dir: PathBuf, layout: &LayoutArgs, numa: Option<&str>, json: bool) ->
         writeln!(
             out,
             "  {}  {} bytes, header {} bytes (data at {}), {} tensor(s), {} cop{}",
-            s.name,
+            escape(&s.name),
             f.size,
             s.header.header_len,
             s.header.data_start,
@@ -472,10 +575,10 @@ fn inspect(dir: PathBuf, layout: &LayoutArgs, numa: Option<&str>, json: bool) ->
                 out,
                 "    [{}] {}  drive {} ({} at {}), dio align offset {} / memory {} (from {:?}), O_DIRECT: {}",
                 f.rank,
-                f.path.display(),
+                escape(&f.path),
                 model.drives()[f.drive].device,
                 f.topo.fs_type,
-                f.topo.mount.display(),
+                escape(&f.topo.mount),
                 f.topo.dio_offset_align,
                 f.topo.dio_mem_align,
                 f.topo.align_source,
@@ -491,8 +594,8 @@ fn inspect(dir: PathBuf, layout: &LayoutArgs, numa: Option<&str>, json: bool) ->
         writeln!(
             out,
             "  refused copy {} ({}): {}",
-            c.path.display(),
-            c.shard,
+            escape(&c.path),
+            escape(&c.shard),
             c.reason.as_deref().unwrap_or("?")
         )?;
     }
@@ -502,7 +605,7 @@ fn inspect(dir: PathBuf, layout: &LayoutArgs, numa: Option<&str>, json: bool) ->
             "drive {} ({}, {}): dio align {}, O_DIRECT on every file: {}",
             d.device,
             d.fs_type,
-            d.mount.display(),
+            escape(&d.mount),
             d.dio_align,
             d.direct_open
         )?;
@@ -581,6 +684,8 @@ fn digest(
     };
     if json {
         let map: serde_json::Map<String, serde_json::Value> = sums.into_iter().map(|(n, h)| (n, h.into())).collect();
+        // Serialised first: an error, not a panic inside `json!`.
+        let stats = serde_json::to_value(&stats)?;
         println!(
             "{}",
             serde_json::to_string_pretty(&serde_json::json!({"tensors": map, "stats": stats}))?
