@@ -249,6 +249,8 @@ struct ModelInner {
     route: RoutePolicy,
     /// Read weight per copy rank (primary, mirror 1, ...).
     rank_weights: Vec<f64>,
+    /// Why the weights are not what was asked for (a failed probe).
+    weights_note: Option<String>,
     /// Expert-major group key per tensor (by catalog index), for `hash`.
     keys: Vec<u64>,
     report: Vec<CopyReport>,
@@ -398,6 +400,7 @@ impl Model {
         let keys = group_keys(&catalog);
         let ranks = 1 + rank;
         warn_shared_filesystems(&b.files, &copies, &b.drives);
+        let mut weights_note = None;
         let rank_weights = match &config.weights {
             Weights::Equal => vec![1.0; ranks],
             Weights::Explicit(w) if w.len() == ranks => w.clone(),
@@ -409,7 +412,13 @@ impl Model {
                     if rank == 1 { "y" } else { "ies" }
                 )))
             }
-            Weights::Probe => probe_weights(&b.files, ranks),
+            Weights::Probe => match probe_weights(&b.files, ranks) {
+                Ok(w) => w,
+                Err(why) => {
+                    weights_note = Some(why);
+                    vec![1.0; ranks]
+                }
+            },
         };
         Ok(Model {
             inner: Arc::new(ModelInner {
@@ -420,6 +429,7 @@ impl Model {
                 direct: config.direct,
                 route: config.route,
                 rank_weights,
+                weights_note,
                 keys,
                 report: b.report,
             }),
@@ -634,6 +644,8 @@ impl Model {
         Stats {
             backend: "sync",
             backend_reason: None,
+            rank_weights: self.inner.rank_weights.clone(),
+            weights_note: self.inner.weights_note.clone(),
             bytes: drives.iter().map(|d| d.bytes).sum(),
             fixed_files: None,
             registered_buffers: None,
@@ -945,7 +957,7 @@ fn group_keys(cat: &Catalog) -> Vec<u64> {
 /// Measures each copy rank with a short O_DIRECT read (8 reads of 19 MiB in
 /// flight over its files) and turns GB/s into weights; a failed probe gives
 /// equal weights, said once.
-fn probe_weights(files: &[ShardFile], ranks: usize) -> Vec<f64> {
+fn probe_weights(files: &[ShardFile], ranks: usize) -> std::result::Result<Vec<f64>, String> {
     let cfg = crate::ceiling::CeilingConfig {
         bs: 19 << 20,
         qd: 8,
@@ -954,16 +966,20 @@ fn probe_weights(files: &[ShardFile], ranks: usize) -> Vec<f64> {
     let mut w = Vec::with_capacity(ranks);
     for r in 0..ranks {
         let paths: Vec<PathBuf> = files.iter().filter(|f| f.rank == r).map(|f| f.path.clone()).collect();
-        match crate::ceiling::measure(&paths, &cfg) {
-            Ok(m) if m.gbps > 0.0 => w.push(m.gbps),
-            Ok(_) | Err(_) => {
-                tracing::warn!("weight probe of copy rank {r} failed; using equal weights");
-                return vec![1.0; ranks];
+        let why = match crate::ceiling::measure(&paths, &cfg) {
+            Ok(m) if m.gbps > 0.0 => {
+                w.push(m.gbps);
+                continue;
             }
-        }
+            Ok(m) => format!("it measured {} GB/s", m.gbps),
+            Err(e) => e.to_string(),
+        };
+        let why = format!("weight probe of copy rank {r} failed ({why}); using equal weights");
+        tracing::warn!("{why} (reported as weights_note in the stats)");
+        return Err(why);
     }
     tracing::info!("probed weights (GB/s per copy rank): {w:?}");
-    w
+    Ok(w)
 }
 
 /// What [`Model::verify`] found, per opened copy. Serialisable: saved (e.g.

@@ -170,6 +170,11 @@ pub struct Feature {
 #[derive(Debug, Clone, Serialize)]
 pub struct Stats {
     pub backend: &'static str,
+    /// Read weight of each copy rank (primary, mirror 1, ...).
+    pub rank_weights: Vec<f64>,
+    /// Why the weights are not what was asked for (a failed probe).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub weights_note: Option<String>,
     /// Why this backend (when it was not the first choice).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub backend_reason: Option<String>,
