@@ -28,7 +28,7 @@ const MAX_CHUNK: usize = u32::MAX as usize & !4095;
 /// (itself a multiple of the alignment), then the buffered tail cut the same
 /// way. `direct` false means the whole payload goes buffered.
 ///
-/// `w` is a window [`crate::direct::plan`] accepted for the slot (or its
+/// `w` is a window `direct::plan` accepted for the slot (or its
 /// [`Window::buffered`]): its [`Window::slot_extent`] is at most the slot's
 /// real length, and that is checked before anything is split. Then every
 /// offset here is provably bounded, none can overflow, and every chunk lies
