@@ -6,11 +6,22 @@
 //! partial block can be read with O_DIRECT too). Slots are owned handles:
 //! not `Clone`, returned to their arena on drop or with
 //! [`Arena::give_back`]. The mapping lives as long as any slot of it does.
+//!
+//! Every size that becomes an address is computed checked: a spec whose
+//! slot length overflows, or exceeds `isize::MAX` bytes (the most a Rust
+//! slice or allocation may span), or whose `count` slots do, is refused with
+//! an error naming the numbers, in release builds as in debug builds.
+//!
+//! Each mapping is `madvise(MADV_DONTFORK)`: `fork()` does not copy it, so
+//! a forked child cannot touch (or copy) memory the kernel may be writing.
+//!
+//! Under Miri, which cannot model `mmap`/`madvise`, the memory comes from
+//! the global allocator (page-aligned, zeroed) instead; slot carving, the
+//! free list, slot access, drop order and release hooks are the same code.
 
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-
-use rustix::mm::{MapFlags, ProtFlags};
 
 use crate::error::{Error, Result};
 use crate::window::round_up;
@@ -47,28 +58,64 @@ impl SlotSpec {
         self
     }
 
-    /// Bytes of one slot: scratch + payload (+ tail room), rounded to the page.
-    pub fn slot_len(&self) -> usize {
+    /// Bytes of one slot: scratch + payload (+ tail room), rounded to the
+    /// page (or to `align` when that is larger).
+    ///
+    /// Checked: an error naming the spec when the alignment is not a power
+    /// of two of at least 512, when a sum or a rounding overflows `usize`,
+    /// or when the slot would exceed `isize::MAX` bytes.
+    pub fn slot_len(&self) -> Result<usize> {
+        self.check_align()?;
+        let refuse = |why: String| {
+            Error::Config(format!(
+                "slot spec (capacity {}, align {}, tail room {}): {why}",
+                self.capacity, self.align, self.tail_room
+            ))
+        };
         let body = if self.tail_room {
-            round_up(self.capacity, self.align)
+            round_up(self.capacity, self.align).ok_or_else(|| {
+                refuse(format!(
+                    "the capacity rounded up to {} bytes overflows usize",
+                    self.align
+                ))
+            })?
         } else {
             self.capacity
         };
-        round_up(self.align + body.max(1), page_size().max(self.align))
+        let raw = self
+            .align
+            .checked_add(body.max(1))
+            .ok_or_else(|| refuse(format!("{} scratch bytes + {body} overflows usize", self.align)))?;
+        let unit = page_size().max(self.align);
+        let len =
+            round_up(raw, unit).ok_or_else(|| refuse(format!("{raw} bytes rounded up to {unit} overflows usize")))?;
+        if len > isize::MAX as usize {
+            return Err(refuse(format!(
+                "a slot of {len} bytes exceeds isize::MAX ({} bytes)",
+                isize::MAX
+            )));
+        }
+        Ok(len)
     }
 
-    fn validate(&self) -> Result<()> {
+    /// Checks that slots of this spec can exist ([`SlotSpec::slot_len`]
+    /// succeeds); [`Arena::new`] refuses every spec this refuses.
+    pub fn validate(&self) -> Result<()> {
+        self.slot_len().map(drop)
+    }
+
+    fn check_align(&self) -> Result<()> {
         if !self.align.is_power_of_two() || self.align < 512 {
             return Err(Error::Config(format!(
-                "slot alignment {} must be a power of two of at least 512",
-                self.align
+                "slot alignment {} must be a power of two of at least 512 (slot spec of capacity {})",
+                self.align, self.capacity
             )));
         }
         Ok(())
     }
 }
 
-static NEXT_ARENA_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+static NEXT_ARENA_ID: AtomicU64 = AtomicU64::new(1);
 
 pub(crate) fn page_size() -> usize {
     rustix::param::page_size()
@@ -78,8 +125,7 @@ struct Mapping {
     /// Unique for the process lifetime: registrations are keyed by it, never
     /// by address (a new arena may be mapped where a dropped one was).
     id: u64,
-    ptr: NonNull<u8>,
-    map_len: usize,
+    region: Region,
     spec: SlotSpec,
     slot_len: usize,
     count: usize,
@@ -109,39 +155,144 @@ impl Drop for Mapping {
         for h in hooks {
             h();
         }
-        // SAFETY: `ptr`/`map_len` are exactly the mapping made by `map`,
-        // and no `Slot` exists any more (each holds an `Arc<Mapping>`), so
-        // nothing can reach the memory after this.
-        let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast(), self.map_len) };
+        // `region` (a field) is released after this body: after the hooks.
     }
 }
 
-/// One anonymous private mapping for `count` slots of `spec`: (base, length,
-/// slot length). `populate` faults every page in now.
-fn map(spec: SlotSpec, count: usize, populate: bool) -> Result<(NonNull<u8>, usize, usize)> {
-    spec.validate()?;
+/// The memory of one arena: an anonymous private mapping, `MADV_DONTFORK`
+/// (under Miri: a page-aligned, zeroed heap allocation). Released on drop.
+struct Region {
+    ptr: NonNull<u8>,
+    len: usize,
+    /// `madvise(MADV_DONTFORK)` succeeded: a forked child does not get these
+    /// pages. Always false under Miri (no mapping, no fork).
+    dontfork: bool,
+    /// What the memory was allocated with (Miri only).
+    #[cfg(miri)]
+    layout: std::alloc::Layout,
+}
+
+/// Mappings whose `madvise(MADV_DONTFORK)` failed, in this process.
+static DONTFORK_FAILURES: AtomicU64 = AtomicU64::new(0);
+static DONTFORK_WARNED: AtomicBool = AtomicBool::new(false);
+
+/// How many arena mappings of this process `fork()` would copy into a child
+/// because `madvise(MADV_DONTFORK)` failed on them (warned once, at the
+/// first). 0 when every arena is fork-protected.
+pub fn dontfork_failures() -> u64 {
+    DONTFORK_FAILURES.load(Ordering::Relaxed)
+}
+
+impl Region {
+    /// `len` bytes (> 0, <= `isize::MAX`), readable and writable, starting
+    /// on a page boundary. `populate` faults every page in now.
+    #[cfg(not(miri))]
+    fn new(len: usize, populate: bool) -> Result<Region> {
+        use rustix::mm::{Advice, MapFlags, ProtFlags};
+        let flags = if populate {
+            MapFlags::PRIVATE | MapFlags::POPULATE
+        } else {
+            MapFlags::PRIVATE
+        };
+        // SAFETY: a fresh anonymous private mapping at an address of the
+        // kernel's choosing aliases no existing memory.
+        let ptr =
+            unsafe { rustix::mm::mmap_anonymous(std::ptr::null_mut(), len, ProtFlags::READ | ProtFlags::WRITE, flags) }
+                .map_err(|e| Error::io("<anonymous arena>", "mmap", e))?;
+        let Some(ptr) = NonNull::new(ptr.cast::<u8>()) else {
+            return Err(Error::Config(format!("mmap of {len} bytes returned a null address")));
+        };
+        let mut region = Region {
+            ptr,
+            len,
+            dontfork: false,
+        };
+        // SAFETY: `ptr..ptr+len` is exactly the mapping just made and owned
+        // by `region`; MADV_DONTFORK changes only whether fork() copies it,
+        // never its contents or its address.
+        match unsafe { rustix::mm::madvise(ptr.as_ptr().cast(), len, Advice::LinuxDontFork) } {
+            Ok(()) => region.dontfork = true,
+            Err(e) => {
+                DONTFORK_FAILURES.fetch_add(1, Ordering::Relaxed);
+                if !DONTFORK_WARNED.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(
+                        "madvise(MADV_DONTFORK) on an arena of {len} bytes failed: {e}; fork() will copy this arena \
+                         into the child (said once; counted in weightstream::arena::dontfork_failures)"
+                    );
+                }
+            }
+        }
+        Ok(region)
+    }
+
+    /// Miri cannot model mmap or madvise: the same geometry from the global
+    /// allocator, page-aligned and zeroed like a fresh anonymous mapping.
+    #[cfg(miri)]
+    fn new(len: usize, _populate: bool) -> Result<Region> {
+        let layout = std::alloc::Layout::from_size_align(len, page_size())
+            .map_err(|e| Error::Config(format!("an arena of {len} bytes: {e}")))?;
+        // SAFETY: the layout's size is non-zero (`len` > 0, checked by `map`).
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        let Some(ptr) = NonNull::new(ptr) else {
+            return Err(Error::Config(format!("allocating an arena of {len} bytes failed")));
+        };
+        Ok(Region {
+            ptr,
+            len,
+            dontfork: false,
+            layout,
+        })
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        #[cfg(not(miri))]
+        {
+            // SAFETY: `ptr`/`len` are exactly the mapping made by
+            // `Region::new`, and no `Slot` exists any more (each holds an
+            // `Arc<Mapping>`, which owns this region), so nothing can reach
+            // the memory after this.
+            let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast(), self.len) };
+        }
+        #[cfg(miri)]
+        {
+            // SAFETY: allocated by `Region::new` with this same layout; no
+            // `Slot` exists any more (as above).
+            unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) };
+        }
+    }
+}
+
+/// The memory for `count` slots of `spec`: (region, slot length). The spec,
+/// the count and their product are checked first; nothing is mapped for a
+/// refused spec.
+fn map(spec: SlotSpec, count: usize, populate: bool) -> Result<(Region, usize)> {
+    let slot_len = spec.slot_len()?;
     if count == 0 {
         return Err(Error::Config("an arena needs at least one slot".into()));
     }
-    let slot_len = spec.slot_len();
     let len = slot_len
         .checked_mul(count)
-        .ok_or_else(|| Error::Config(format!("{count} slots of {slot_len} bytes overflow the address space")))?;
-    let flags = if populate {
-        MapFlags::PRIVATE | MapFlags::POPULATE
-    } else {
-        MapFlags::PRIVATE
-    };
-    // SAFETY: a fresh anonymous private mapping at an address of the
-    // kernel's choosing aliases no existing memory.
-    let ptr =
-        unsafe { rustix::mm::mmap_anonymous(std::ptr::null_mut(), len, ProtFlags::READ | ProtFlags::WRITE, flags) }
-            .map_err(|e| Error::io("<anonymous arena>", "mmap", e))?;
-    let ptr = NonNull::new(ptr.cast::<u8>()).expect("mmap never returns null on success");
-    Ok((ptr, len, slot_len))
+        .filter(|&len| len <= isize::MAX as usize)
+        .ok_or_else(|| {
+            Error::Config(format!(
+                "{count} slots of {slot_len} bytes (capacity {}) exceed isize::MAX ({} bytes)",
+                spec.capacity,
+                isize::MAX
+            ))
+        })?;
+    Ok((Region::new(len, populate)?, slot_len))
 }
 
 /// A set of equally sized, page-aligned slots in one anonymous mapping.
+///
+/// A forked child cannot touch an arena: its pages are not mapped in the
+/// child (`MADV_DONTFORK`, so `fork()` neither copies them nor lets a child
+/// reach memory the kernel may be writing for the parent). Touching a slot
+/// in a child faults. If the kernel refuses the advice the arena still
+/// works, but is copied on fork: warned once, and visible in
+/// [`Arena::fork_protected`] and [`dontfork_failures`].
 #[derive(Clone)]
 pub struct Arena {
     map: Arc<Mapping>,
@@ -161,8 +312,8 @@ impl Arena {
     /// Maps `count` slots of `spec`, faulted in up front so the first read
     /// does not pay page faults.
     pub fn new(spec: SlotSpec, count: usize) -> Result<Self> {
-        let (ptr, len, slot_len) = map(spec, count, true)?;
-        Ok(Arena::from_mapping(ptr, len, spec, slot_len, count, None))
+        let (region, slot_len) = map(spec, count, true)?;
+        Ok(Arena::from_mapping(region, spec, slot_len, count, None))
     }
 
     /// Maps `count` slots of `spec` without faulting them in, runs `bind`
@@ -175,9 +326,10 @@ impl Arena {
         node: usize,
         bind: impl FnOnce(&[u8]) -> std::result::Result<(), String>,
     ) -> Result<Self> {
-        let (ptr, len, slot_len) = map(spec, count, false)?;
+        let (region, slot_len) = map(spec, count, false)?;
+        let (ptr, len) = (region.ptr, region.len);
         // Built first so the mapping is unmapped on every error path.
-        let arena = Arena::from_mapping(ptr, len, spec, slot_len, count, Some(node));
+        let arena = Arena::from_mapping(region, spec, slot_len, count, Some(node));
         // SAFETY: `ptr..ptr+len` is the fresh mapping just made, readable and
         // writable; no slot has been handed out, so nothing else reaches it.
         // An untouched anonymous page reads as zeros.
@@ -192,19 +344,11 @@ impl Arena {
         Ok(arena)
     }
 
-    fn from_mapping(
-        ptr: NonNull<u8>,
-        len: usize,
-        spec: SlotSpec,
-        slot_len: usize,
-        count: usize,
-        node: Option<usize>,
-    ) -> Self {
+    fn from_mapping(region: Region, spec: SlotSpec, slot_len: usize, count: usize, node: Option<usize>) -> Self {
         Arena {
             map: Arc::new(Mapping {
-                id: NEXT_ARENA_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
-                ptr,
-                map_len: len,
+                id: NEXT_ARENA_ID.fetch_add(1, Ordering::Relaxed),
+                region,
                 spec,
                 slot_len,
                 count,
@@ -261,7 +405,14 @@ impl Arena {
 
     /// Base address and length of the whole mapping (for buffer registration).
     pub fn region(&self) -> (*mut u8, usize) {
-        (self.map.ptr.as_ptr(), self.map.map_len)
+        (self.map.region.ptr.as_ptr(), self.map.region.len)
+    }
+
+    /// Whether `fork()` leaves this arena out of a child
+    /// (`madvise(MADV_DONTFORK)` succeeded). False only when the kernel
+    /// refused the advice (warned once), and always under Miri.
+    pub fn fork_protected(&self) -> bool {
+        self.map.region.dontfork
     }
 
     /// Bytes of one slot.
@@ -324,8 +475,10 @@ impl Slot {
     }
 
     pub(crate) fn base_mut_ptr(&self) -> *mut u8 {
-        // SAFETY: index < count, so the offset stays inside the mapping.
-        unsafe { self.map.ptr.as_ptr().add(self.index * self.map.slot_len) }
+        // SAFETY: index < count, so `index * slot_len` is at most
+        // `(count - 1) * slot_len`, checked in `map` to fit the mapping
+        // (itself at most isize::MAX bytes): the offset stays inside it.
+        unsafe { self.map.region.ptr.as_ptr().add(self.index * self.map.slot_len) }
     }
 
     /// The whole slot, scratch included.
@@ -385,10 +538,10 @@ mod tests {
 
     #[test]
     fn tail_room_and_align_sizes() {
-        assert_eq!(SlotSpec::new(4096).slot_len(), 8192);
-        assert_eq!(SlotSpec::new(4097).slot_len(), 12288);
-        assert_eq!(SlotSpec::new(4097).with_tail_room(true).slot_len(), 12288);
-        assert_eq!(SlotSpec::new(8192).with_tail_room(true).slot_len(), 12288);
+        assert_eq!(SlotSpec::new(4096).slot_len().unwrap(), 8192);
+        assert_eq!(SlotSpec::new(4097).slot_len().unwrap(), 12288);
+        assert_eq!(SlotSpec::new(4097).with_tail_room(true).slot_len().unwrap(), 12288);
+        assert_eq!(SlotSpec::new(8192).with_tail_room(true).slot_len().unwrap(), 12288);
         assert!(Arena::new(SlotSpec::new(1).with_align(1000), 1).is_err());
         assert!(Arena::new(SlotSpec::new(1), 0).is_err());
     }
@@ -416,5 +569,151 @@ mod tests {
         drop(a);
         s.as_bytes_mut()[0] = 7;
         assert_eq!(s.as_bytes()[0], 7);
+    }
+
+    /// Capacities near the top of `usize` and `isize`: the slot length is
+    /// an error naming the capacity, never a wrapped small number (a
+    /// release build used to report 4096 bytes for `usize::MAX - 100`).
+    #[test]
+    fn slot_len_overflow_is_an_error() {
+        let imax = isize::MAX as usize;
+        let page = page_size();
+        for spec in [
+            SlotSpec::new(usize::MAX - 100),
+            SlotSpec::new(usize::MAX - 4095),
+            SlotSpec::new(usize::MAX - 4096),
+            SlotSpec::new(usize::MAX - 10).with_tail_room(true),
+            SlotSpec::new(imax),
+            SlotSpec::new(imax + 1),
+            SlotSpec::new(imax - page + 2),
+            SlotSpec::new(1).with_align(1 << (usize::BITS - 1)),
+        ] {
+            let e = spec.slot_len().expect_err(&format!("{spec:?}"));
+            assert!(e.to_string().contains(&spec.capacity.to_string()), "{e}");
+            assert!(spec.validate().is_err());
+            assert!(Arena::new(spec, 1).is_err(), "{spec:?}");
+        }
+        // The largest capacity whose slot still fits isize::MAX bytes.
+        let top = imax - page + 1 - 4096;
+        assert_eq!(SlotSpec::new(top).slot_len().unwrap(), imax - page + 1);
+        // Two such slots do not.
+        let e = map(SlotSpec::new(top), 2, false)
+            .err()
+            .expect("2 slots past isize::MAX");
+        assert!(e.to_string().contains("isize::MAX"), "{e}");
+    }
+
+    #[test]
+    fn accepted_slots_hold_scratch_and_capacity() {
+        for (cap, align, room) in [
+            (1, 512, false),
+            (4095, 4096, true),
+            (100_000, 65536, true),
+            (1 << 20, 4096, false),
+        ] {
+            let spec = SlotSpec::new(cap).with_align(align).with_tail_room(room);
+            let len = spec.slot_len().unwrap();
+            let body = if room { cap.div_ceil(align) * align } else { cap };
+            assert!(len >= align + body, "{spec:?}: {len}");
+            assert_eq!(len % page_size().max(align), 0);
+        }
+    }
+
+    /// The release hooks run once, after the last handle and the last slot
+    /// are gone (whichever goes last), and the memory stays usable until then.
+    #[test]
+    fn release_hooks_run_once_when_the_last_slot_goes() {
+        use std::sync::atomic::AtomicUsize;
+        let runs = Arc::new(AtomicUsize::new(0));
+        let a = Arena::new(SlotSpec::new(100), 2).unwrap();
+        for _ in 0..2 {
+            let r = Arc::clone(&runs);
+            a.on_release(move || {
+                r.fetch_add(1, Ordering::SeqCst);
+            });
+        }
+        let mut s1 = a.take().unwrap();
+        let mut s2 = a.take().unwrap();
+        s1.as_bytes_mut().fill(1);
+        s2.as_bytes_mut().fill(2);
+        let b = a.clone();
+        drop(a);
+        drop(b);
+        assert_eq!(runs.load(Ordering::SeqCst), 0, "slots still out");
+        assert!(s1.as_bytes().iter().all(|&x| x == 1));
+        drop(s1);
+        assert_eq!(runs.load(Ordering::SeqCst), 0, "one slot still out");
+        assert!(s2.as_bytes().iter().all(|&x| x == 2), "slots do not overlap");
+        drop(s2);
+        assert_eq!(runs.load(Ordering::SeqCst), 2);
+    }
+
+    /// Slots of one arena are disjoint, each exactly `slot_len` bytes, and
+    /// a returned slot comes back with its bytes (no zeroing, no aliasing).
+    #[test]
+    fn slots_are_disjoint_and_writable_end_to_end() {
+        let a = Arena::new(SlotSpec::new(5000).with_tail_room(true), 3).unwrap();
+        let mut slots: Vec<Slot> = std::iter::from_fn(|| a.take()).collect();
+        assert_eq!(slots.len(), 3);
+        for (i, s) in slots.iter_mut().enumerate() {
+            let b = s.as_bytes_mut();
+            assert_eq!(b.len(), a.slot_len());
+            b[0] = i as u8;
+            let last = b.len() - 1;
+            b[last] = 0x80 | i as u8;
+        }
+        for (i, s) in slots.iter().enumerate() {
+            let b = s.as_bytes();
+            assert_eq!((b[0], b[b.len() - 1]), (i as u8, 0x80 | i as u8));
+            assert_eq!(s.base() as usize - a.region().0 as usize, s.index() * a.slot_len());
+        }
+        let s = slots.pop().unwrap();
+        let idx = s.index();
+        drop(s);
+        let again = a.take().unwrap();
+        assert_eq!(again.index(), idx);
+        assert_eq!(again.as_bytes()[0], idx as u8);
+    }
+
+    /// Every arena mapping carries VM_DONTCOPY (`dc` in /proc/self/smaps):
+    /// fork() does not copy it into a child.
+    #[cfg(not(miri))]
+    #[test]
+    fn arena_mappings_are_not_copied_on_fork() {
+        for a in [
+            Arena::new(SlotSpec::new(10_000), 3).unwrap(),
+            Arena::new_on_node(SlotSpec::new(10_000), 2, 0, |_| Ok(())).unwrap(),
+        ] {
+            assert!(a.fork_protected());
+            let (base, len) = a.region();
+            let flags = vm_flags_of(base as usize, len).expect("the arena is in /proc/self/smaps");
+            assert!(
+                flags.split_whitespace().any(|f| f == "dc"),
+                "arena [{base:p}, +{len}) lacks VM_DONTCOPY: VmFlags: {flags}"
+            );
+        }
+        assert_eq!(dontfork_failures(), 0);
+    }
+
+    /// The VmFlags of the /proc/self/smaps entry that holds `[base, base + len)`.
+    #[cfg(not(miri))]
+    fn vm_flags_of(base: usize, len: usize) -> Option<String> {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+        let mut inside = false;
+        for line in smaps.lines() {
+            let first = line.split_whitespace().next().unwrap_or("");
+            if let Some((lo, hi)) = first.split_once('-') {
+                if let (Ok(lo), Ok(hi)) = (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16)) {
+                    inside = lo <= base && base + len <= hi;
+                    continue;
+                }
+            }
+            if inside {
+                if let Some(flags) = line.strip_prefix("VmFlags:") {
+                    return Some(flags.trim().to_string());
+                }
+            }
+        }
+        None
     }
 }

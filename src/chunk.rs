@@ -20,12 +20,29 @@ pub struct Chunk {
     pub seq: u16,
 }
 
+/// Largest chunk: fits a `u32` length and keeps O_DIRECT chunks on 4096-byte
+/// boundaries.
+const MAX_CHUNK: usize = u32::MAX as usize & !4095;
+
 /// Chunks of a planned window: the direct part cut at multiples of `chunk`
 /// (itself a multiple of the alignment), then the buffered tail cut the same
 /// way. `direct` false means the whole payload goes buffered.
+///
+/// `w` is a window `direct::plan` accepted for the slot (or its
+/// [`Window::buffered`]): its [`Window::slot_extent`] is at most the slot's
+/// real length, and that is checked before anything is split. Then every
+/// offset here is provably bounded, none can overflow, and every chunk lies
+/// in `[0, slot_extent)` of the slot:
+/// - a direct chunk is `[o, o + n)` with `o + n <= w.direct <= slot_extent`,
+///   at file offset `w.start + o < w.start + w.direct <= size` (the EOF
+///   clamp `Window::plan` applied);
+/// - a tail chunk is `[t + o, t + o + n)` with `t + w.tail = w.pad + w.len
+///   <= slot_extent`, at file offset `tail_file_offset() + o`, below the
+///   payload's end `<= size`.
+///
+/// A `chunk` of 0 is taken as 1 (never a panic).
 pub fn split(w: &Window, file: u32, chunk: usize) -> impl Iterator<Item = Chunk> + '_ {
-    debug_assert!(chunk > 0);
-    let chunk = chunk.min(u32::MAX as usize & !4095);
+    let chunk = chunk.clamp(1, MAX_CHUNK);
     let direct = (0..w.direct)
         .step_by(chunk)
         .map(move |o| (true, w.start + o as u64, o, chunk.min(w.direct - o)));
@@ -41,14 +58,16 @@ pub fn split(w: &Window, file: u32, chunk: usize) -> impl Iterator<Item = Chunk>
             direct,
             file_off,
             slot_off,
+            // len <= chunk <= MAX_CHUNK <= u32::MAX.
             len: len as u32,
+            // Diagnostic only (user_data's top bits): wraps past 65535 chunks.
             seq: i as u16,
         })
 }
 
 /// Number of chunks [`split`] yields.
 pub fn count(w: &Window, chunk: usize) -> usize {
-    let chunk = chunk.min(u32::MAX as usize & !4095);
+    let chunk = chunk.clamp(1, MAX_CHUNK);
     w.direct.div_ceil(chunk) + w.tail.div_ceil(chunk)
 }
 
@@ -223,5 +242,38 @@ mod tests {
                 ..b
             })
         );
+    }
+
+    /// Every chunk lies inside the window's slot extent, and each direct
+    /// chunk's file range inside the file: also for windows whose offsets
+    /// are near `u64::MAX` (no sum overflows).
+    #[test]
+    fn chunks_stay_inside_the_slot_extent_near_u64_max() {
+        for (off, len, size, room) in [
+            (u64::MAX - 5000, 4000, u64::MAX, true),
+            (u64::MAX - 5000, 5000, u64::MAX, true),
+            (u64::MAX - (3 << 20) - 17, 3 << 20, u64::MAX - 1, false),
+            (71, 100_000, 200_000, true),
+        ] {
+            let win = Window::plan(off, len, size, 4096, room).unwrap();
+            let extent = win.slot_extent().unwrap();
+            for w in [win, win.buffered()] {
+                let cs: Vec<_> = split(&w, 0, 1 << 20).collect();
+                assert_eq!(cs.len(), count(&w, 1 << 20));
+                for c in &cs {
+                    let end = c.slot_off.checked_add(c.len as usize).unwrap();
+                    assert!(end <= extent, "{c:?} past {extent}: {w:?}");
+                    assert!(c.file_off.checked_add(c.len as u64).unwrap() <= size, "{c:?}");
+                    assert_eq!(c.file_off - w.start, c.slot_off as u64);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_zero_chunk_size_does_not_panic() {
+        let win = w(71, 3);
+        assert_eq!(count(&win, 0), 3);
+        assert_eq!(split(&win, 0, 0).map(|c| c.len).collect::<Vec<_>>(), [1, 1, 1]);
     }
 }

@@ -25,6 +25,10 @@ pub enum WindowError {
     /// The payload range is not inside the file.
     #[error("range [{start}, {end}) is outside the file ({size} bytes)")]
     OutOfFile { start: u64, end: u64, size: u64 },
+    /// The window `[start, end)` (scratch before the payload included) is
+    /// larger than this machine's address space: no slot can hold it.
+    #[error("window [{start}, {end}) does not fit in the address space")]
+    TooLarge { start: u64, end: u64 },
 }
 
 /// How one payload read is split between O_DIRECT and buffered I/O.
@@ -49,6 +53,11 @@ impl Window {
     /// `tail_room` says the slot reserved room after the payload up to the
     /// next `align` boundary, so the last partial block may also be read with
     /// O_DIRECT when it lies wholly inside the file.
+    ///
+    /// Every sum is checked: each quantity is bounded by `size - start`, so
+    /// none can overflow `u64`, and each is converted to `usize` checked (a
+    /// window larger than the address space is [`WindowError::TooLarge`]).
+    /// A planned window's [`Window::slot_extent`] is always `Some`.
     pub fn plan(off: u64, len: u64, size: u64, align: u64, tail_room: bool) -> Result<Self, WindowError> {
         if align == 0 || !align.is_power_of_two() {
             return Err(WindowError::BadAlign(align));
@@ -63,34 +72,43 @@ impl Window {
             })?;
         let mask = align - 1;
         let pad = off & mask;
-        let start = off - pad;
-        let want = pad + len; // cannot overflow: want <= end - start <= size
+        let start = off - pad; // pad <= off
+        let too_large = WindowError::TooLarge { start, end };
+        // want = end - start <= size - start.
+        let want = pad.checked_add(len).ok_or(too_large)?;
+        let to_usize = |x: u64| usize::try_from(x).map_err(|_| too_large);
         if len == 0 {
             // A 0-byte read is a no-op, whatever room the slot reserves.
             return Ok(Window {
                 start,
-                pad: pad as usize,
+                pad: to_usize(pad)?,
                 len: 0,
                 direct: 0,
                 tail: 0,
             });
         }
-        let wanted_direct = if tail_room {
-            // round up; `want + mask` <= size + mask, which fits unless size is near u64::MAX
-            want.checked_add(mask).map_or(want & !mask, |w| w & !mask)
-        } else {
-            want & !mask
+        let wanted_direct = match want.checked_add(mask) {
+            // Round up: the slot has room up to the next boundary.
+            Some(w) if tail_room => w & !mask,
+            // Without room (or when rounding up passes u64::MAX, where the
+            // EOF clamp below is the smaller bound anyway): round down.
+            _ => want & !mask,
         };
-        // EOF clamp: the last whole block inside the file.
+        // EOF clamp: the last whole block inside the file (start <= size).
         let eof_limit = (size - start) & !mask;
         let direct = wanted_direct.min(eof_limit);
-        let tail = end - (start + direct).max(off).min(end);
+        // start + direct <= start + eof_limit <= size.
+        let direct_end = start.checked_add(direct).ok_or(too_large)?;
+        let tail = end - direct_end.clamp(off, end);
+        // The furthest slot byte a read of this window writes must be
+        // addressable too (see `slot_extent`).
+        to_usize(direct.max(want))?;
         Ok(Window {
             start,
-            pad: pad as usize,
-            len: len as usize,
-            direct: direct as usize,
-            tail: tail as usize,
+            pad: to_usize(pad)?,
+            len: to_usize(len)?,
+            direct: to_usize(direct)?,
+            tail: to_usize(tail)?,
         })
     }
 
@@ -104,6 +122,10 @@ impl Window {
     }
 
     /// File offset of the payload's first byte.
+    ///
+    /// Like the other offsets below, exact for a window from
+    /// [`Window::plan`] (or its [`Window::buffered`]); for one assembled by
+    /// hand, check [`Window::slot_extent`] first (`None`: these overflow).
     pub fn payload_offset(&self) -> u64 {
         self.start + self.pad as u64
     }
@@ -118,16 +140,34 @@ impl Window {
         self.pad + self.len - self.tail
     }
 
-    /// Bytes of the slot, from its base, that this read may write.
-    pub fn slot_extent(&self) -> usize {
-        self.direct.max(self.pad + self.len)
+    /// Bytes of the slot, from its base, that a read of this window may
+    /// write: the furthest of the direct part's end (whole blocks, so
+    /// rounded up over the payload when the slot has tail room) and the
+    /// payload's end (`pad + len`, where the buffered tail ends). A read
+    /// goes ahead only when this is at most the slot's real length.
+    ///
+    /// `None` when the fields do not describe a window in the address space
+    /// (only possible for a `Window` assembled by hand): `pad + len`
+    /// overflows, the tail is longer than the payload, or a file offset of
+    /// the window passes `u64::MAX`. `Some` for every planned window.
+    pub fn slot_extent(&self) -> Option<usize> {
+        let payload_end = self.pad.checked_add(self.len)?;
+        if self.tail > self.len {
+            return None;
+        }
+        let file_end = u64::try_from(payload_end.max(self.direct)).ok()?;
+        self.start.checked_add(file_end)?;
+        Some(payload_end.max(self.direct))
     }
 }
 
-/// Rounds `x` up to a multiple of the power of two `align`.
-pub fn round_up(x: usize, align: usize) -> usize {
-    debug_assert!(align.is_power_of_two());
-    (x + align - 1) & !(align - 1)
+/// Rounds `x` up to a multiple of `align`; `None` when `align` is not a
+/// power of two or the result does not fit `usize`.
+pub fn round_up(x: usize, align: usize) -> Option<usize> {
+    if !align.is_power_of_two() {
+        return None;
+    }
+    x.checked_add(align - 1).map(|v| v & !(align - 1))
 }
 
 #[cfg(test)]
@@ -202,5 +242,51 @@ mod tests {
             (w.direct, w.tail, w.tail_file_offset(), w.tail_slot_offset()),
             (0, 10000, 1071, 1071)
         );
+    }
+
+    #[test]
+    fn round_up_is_checked() {
+        assert_eq!(round_up(0, 4096), Some(0));
+        assert_eq!(round_up(1, 4096), Some(4096));
+        assert_eq!(round_up(4096, 4096), Some(4096));
+        assert_eq!(round_up(usize::MAX - 4095, 4096), Some(usize::MAX - 4095));
+        // Used to wrap to 0 in release builds (and panic in debug).
+        assert_eq!(round_up(usize::MAX - 4094, 4096), None);
+        assert_eq!(round_up(usize::MAX, 2), None);
+        assert_eq!(round_up(5, 1 << (usize::BITS - 1)), Some(1 << (usize::BITS - 1)));
+        assert_eq!(round_up(5, 3), None);
+        assert_eq!(round_up(5, 0), None);
+    }
+
+    #[test]
+    fn slot_extent_counts_direct_part_and_payload() {
+        // Without tail room: the payload's end.
+        let w = field(1000, 10000);
+        assert_eq!(w.slot_extent(), Some(1071 + 10000));
+        // With tail room the direct part runs past the payload.
+        let w = Window::plan(1071, 10000, SIZE, 4096, true).unwrap();
+        assert_eq!(w.slot_extent(), Some(12288));
+        assert_eq!(w.buffered().slot_extent(), Some(11071));
+        // Offsets near u64::MAX still fit.
+        let w = Window::plan(u64::MAX - 5000, 4000, u64::MAX, 4096, true).unwrap();
+        assert!(w.slot_extent().is_some());
+    }
+
+    #[test]
+    fn slot_extent_refuses_windows_that_describe_no_range() {
+        let ok = field(1000, 10000);
+        let bad = [
+            Window { pad: usize::MAX, ..ok },
+            Window { len: usize::MAX, ..ok },
+            Window { tail: ok.len + 1, ..ok },
+            Window { start: u64::MAX, ..ok },
+            Window {
+                start: u64::MAX - 8191,
+                ..ok
+            },
+        ];
+        for w in bad {
+            assert_eq!(w.slot_extent(), None, "{w:?}");
+        }
     }
 }

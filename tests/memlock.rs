@@ -249,7 +249,7 @@ fn arena_dropped_while_the_engine_lives_gives_back_its_locked_memory() {
     let exe = copy_exe(&std::env::current_exe().unwrap(), tmp.path());
     // Room for one arena of ARENA_SLOTS largest-tensor slots, not two.
     let model = weightstream::Model::open(weightstream::ModelConfig::new(&dir)).unwrap();
-    let one = (model.slot_spec_for_largest("").slot_len() * ARENA_SLOTS) as u64;
+    let one = (model.slot_spec_for_largest("").slot_len().unwrap() * ARENA_SLOTS) as u64;
     let limit = (one + one / 2).next_multiple_of(4096);
     let hard = rustix::process::getrlimit(rustix::process::Resource::Memlock).maximum;
     if hard.is_some_and(|h| limit > h) {

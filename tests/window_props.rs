@@ -9,7 +9,9 @@
 //! u128, where the planner must not overflow.
 
 use proptest::prelude::*;
-use weightstream::window::{Window, WindowError};
+use weightstream::__bench::chunk_split;
+use weightstream::window::{round_up, Window, WindowError};
+use weightstream::SlotSpec;
 
 /// What the contract says one planned read must be.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -132,9 +134,14 @@ fn check_bytes(w: &Window, off: u64, len: u64, size: u64, align: u64, tail_room:
     }
     // The slot extent bounds every byte written and stays inside the reservation.
     let written_end = direct_end.max(if w.tail > 0 { tail_to } else { 0 });
-    prop_assert!(written_end == 0 || (written_end - start) as usize <= w.slot_extent());
+    let Some(extent) = w.slot_extent() else {
+        return Err(TestCaseError::fail(format!(
+            "a planned window has no slot extent: {w:?}"
+        )));
+    };
+    prop_assert!(written_end == 0 || (written_end - start) as usize <= extent);
     prop_assert!(
-        (w.slot_extent() as u64) <= room_end - start,
+        (extent as u64) <= room_end - start,
         "extent past the reservation: {:?}",
         w
     );
@@ -277,6 +284,86 @@ proptest! {
             "off {} len {} size {} align {} room {}", off, len, size, align, room
         );
         prop_assert_eq!(w.tail_file_offset() as u128 + w.tail as u128, end);
+        // The slot extent exists and is what a read writes: the further of
+        // the direct part and the payload.
+        prop_assert_eq!(
+            w.slot_extent().map(|e| e as u128),
+            Some(direct.max(off128 - start + len as u128))
+        );
+    }
+
+    /// A window planned for a payload that fits a slot spec's capacity fits
+    /// that spec's slot: its extent, and every chunk of it and of its
+    /// buffered fallback, lie inside `[0, slot_len)`.
+    #[test]
+    fn planned_windows_fit_the_slots_of_their_spec(
+        (off, len, size, align, room) in in_file(),
+        extra in prop_oneof![Just(0usize), 0usize..3 * 65536],
+        chunk_blocks in 1usize..8,
+    ) {
+        let spec = SlotSpec::new(len as usize + extra).with_align(align as usize).with_tail_room(room);
+        let slot_len = spec.slot_len().map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let w = Window::plan(off, len, size, align, room).unwrap();
+        let extent = w.slot_extent().unwrap();
+        prop_assert!(extent <= slot_len, "extent {} past a {}-byte slot of {:?}: {:?}", extent, slot_len, spec, w);
+        for w in [w, w.buffered()] {
+            for c in chunk_split(&w, 0, chunk_blocks * align as usize) {
+                prop_assert!(c.slot_off + c.len as usize <= extent, "{:?} past the extent {} of {:?}", c, extent, w);
+                prop_assert!(c.file_off + c.len as u64 <= size, "{:?} past the file: {:?}", c, w);
+            }
+        }
+    }
+
+    /// `SlotSpec::slot_len` against an oracle in u128: the smallest
+    /// multiple of max(page, align) holding `align` scratch and the body,
+    /// or an error exactly when that is past `isize::MAX` (or the alignment
+    /// is refused). Never a wrapped length.
+    #[test]
+    fn slot_len_matches_a_u128_oracle(
+        cap in prop_oneof![
+            any::<usize>(),
+            (0usize..1 << 16).prop_map(|k| usize::MAX - k),
+            (0usize..1 << 16).prop_map(|k| (isize::MAX as usize - (1 << 15)).wrapping_add(k)),
+            0usize..1 << 24,
+        ],
+        shift in prop_oneof![9u32..=16, 8u32..=63],
+        room in any::<bool>(),
+    ) {
+        let align = 1usize << shift;
+        let spec = SlotSpec::new(cap).with_align(align).with_tail_room(room);
+        let got = spec.slot_len();
+        if align < 512 {
+            prop_assert!(got.is_err());
+            return Ok(());
+        }
+        let a = align as u128;
+        let unit = (rustix::param::page_size() as u128).max(a);
+        let body = if room { ceil_to(cap as u128, a) } else { cap as u128 };
+        let want = ceil_to(a + body.max(1), unit);
+        match got {
+            Ok(len) => {
+                prop_assert_eq!(len as u128, want, "{:?}", spec);
+                prop_assert!(want <= isize::MAX as u128);
+            }
+            Err(e) => {
+                prop_assert!(want > isize::MAX as u128, "refused {:?} (slot {} bytes): {}", spec, want, e);
+                prop_assert!(e.to_string().contains(&cap.to_string()), "{}", e);
+            }
+        }
+    }
+
+    /// `round_up` never wraps: `None` exactly when the result passes
+    /// `usize::MAX` or the alignment is not a power of two.
+    #[test]
+    fn round_up_is_checked(x in prop_oneof![any::<usize>(), (0usize..1 << 20).prop_map(|k| usize::MAX - k)], align in any::<usize>(), shift in 0u32..64) {
+        for align in [align, 1usize << shift] {
+            let want = if align.is_power_of_two() {
+                Some(ceil_to(x as u128, align as u128)).filter(|&v| v <= usize::MAX as u128)
+            } else {
+                None
+            };
+            prop_assert_eq!(round_up(x, align).map(|v| v as u128), want, "round_up({}, {})", x, align);
+        }
     }
 }
 

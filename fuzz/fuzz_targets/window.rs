@@ -2,13 +2,18 @@
 //! in-place read, with arbitrary offsets, lengths, file sizes and
 //! alignments, and checks every invariant the read path relies on.
 //! Arithmetic in the checks is done in u128 so the checker cannot overflow
-//! where the planner must not.
+//! where the planner must not. Every chunk `chunk::split` makes of a planned
+//! window (and of its buffered fallback) must lie inside the window's slot
+//! extent, and the extent inside the slot of any accepted spec whose
+//! capacity holds the payload.
 
 #![no_main]
 
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
+use weightstream::__bench::{chunk_count, chunk_split};
 use weightstream::window::{Window, WindowError};
+use weightstream::SlotSpec;
 
 #[derive(Debug, Arbitrary)]
 struct Input {
@@ -24,7 +29,14 @@ struct Input {
     fit: bool,
     /// Shrink the file to a few blocks so boundaries are hit often.
     small: bool,
+    /// Chunk size in blocks of `align` (1 + this), for the split check.
+    chunk_blocks: u16,
+    /// Slot capacity beyond the payload length.
+    extra_cap: u32,
 }
+
+/// Windows with more chunks than this are checked on their first chunks only.
+const MAX_CHECKED_CHUNKS: usize = 4096;
 
 fn round_up(x: u128, a: u128) -> u128 {
     x.div_ceil(a) * a
@@ -70,6 +82,15 @@ fuzz_target!(|inp: Input| {
             assert_eq!((start, e, s), (off, off.saturating_add(len), size));
             return;
         }
+        Err(WindowError::TooLarge { start, end: e }) => {
+            // Only where usize is narrower than u64.
+            assert!(align_ok && in_file);
+            assert!(
+                e as u128 - start as u128 > usize::MAX as u128,
+                "TooLarge [{start}, {e})"
+            );
+            return;
+        }
         Ok(w) => w,
     };
     assert!(align_ok, "accepted alignment {align}");
@@ -100,9 +121,46 @@ fuzz_target!(|inp: Input| {
     };
     assert!(direct <= limit, "direct {direct} > {limit}: {w:?}");
     // The slot extent fits a slot of capacity `len` with `align` scratch.
+    let extent = w.slot_extent().expect("a planned window has a slot extent");
     let body = if inp.tail_room { round_up(wlen, a) } else { wlen };
-    assert!((w.slot_extent() as u128) <= a + body, "{w:?}");
-    assert_eq!(w.slot_extent() as u128, direct.max(pad + wlen));
+    assert!((extent as u128) <= a + body, "{w:?}");
+    assert_eq!(extent as u128, direct.max(pad + wlen));
+    // ... and the slot of every accepted spec whose capacity holds the payload.
+    if let Some(cap) = usize::try_from(len)
+        .ok()
+        .and_then(|l| l.checked_add(inp.extra_cap as usize))
+    {
+        let spec = SlotSpec::new(cap)
+            .with_align(align as usize)
+            .with_tail_room(inp.tail_room);
+        if let Ok(slot_len) = spec.slot_len() {
+            assert!(
+                extent <= slot_len,
+                "extent {extent} past the {slot_len}-byte slot of {spec:?}: {w:?}"
+            );
+        }
+    }
+    // Every chunk of the window and of its fallback lies inside the extent
+    // (and its file range inside the file).
+    let chunk = (inp.chunk_blocks as usize + 1).saturating_mul(align as usize);
+    for v in [w, w.buffered()] {
+        let n = chunk_count(&v, chunk);
+        let mut seen = 0;
+        for c in chunk_split(&v, 0, chunk).take(MAX_CHECKED_CHUNKS) {
+            seen += 1;
+            assert!(c.len > 0, "{c:?}");
+            assert!(
+                c.slot_off as u128 + c.len as u128 <= extent as u128,
+                "{c:?} past the extent {extent}: {v:?}"
+            );
+            assert!(
+                c.file_off as u128 + c.len as u128 <= size as u128,
+                "{c:?} past EOF {size}: {v:?}"
+            );
+            assert_eq!(c.file_off as u128 - start, c.slot_off as u128, "{c:?}");
+        }
+        assert_eq!(seen, n.min(MAX_CHECKED_CHUNKS), "{v:?}");
+    }
     // Direct + tail cover the payload exactly: no gap, no overlap.
     assert!(tail <= wlen, "{w:?}");
     assert_eq!(w.tail_file_offset() as u128 + tail, end, "{w:?}");
@@ -115,7 +173,7 @@ fuzz_target!(|inp: Input| {
     );
     // A 0-byte read is a no-op, whatever room the slot reserves.
     if len == 0 {
-        assert_eq!((w.direct, w.tail, w.slot_extent()), (0, 0, w.pad), "{w:?}");
+        assert_eq!((w.direct, w.tail, w.slot_extent()), (0, 0, Some(w.pad)), "{w:?}");
     }
     // Otherwise the direct part is as large as allowed (no needless
     // buffered bytes).
@@ -141,5 +199,5 @@ fuzz_target!(|inp: Input| {
     );
     assert_eq!(b.tail_file_offset(), off);
     assert_eq!(b.tail_slot_offset(), w.pad);
-    assert_eq!(b.slot_extent(), w.pad + w.len);
+    assert_eq!(b.slot_extent(), Some(w.pad + w.len));
 });
