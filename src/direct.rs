@@ -295,7 +295,7 @@ mod tests {
             shard: 0,
             offset,
             len,
-            dtype: safetensors::tensor::Dtype::U8,
+            dtype: crate::dtype::Dtype::U8,
             shape: vec![len as usize],
             index: 0,
         }
