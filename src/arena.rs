@@ -136,6 +136,16 @@ struct Mapping {
     /// Run when the mapping goes (no slot or arena handle left): engines
     /// unregister the arena's fixed buffers here.
     on_release: Mutex<Vec<ReleaseHook>>,
+    /// The process that mapped it: in a forked child a `MADV_DONTFORK`
+    /// region is not mapped at all.
+    origin: crate::fork::Origin,
+}
+
+impl Mapping {
+    /// Whether this mapping's pages are absent here (a forked child).
+    fn unmapped_here(&self) -> bool {
+        self.region.dontfork && self.origin.forked()
+    }
 }
 
 type ReleaseHook = Box<dyn FnOnce() + Send>;
@@ -355,6 +365,7 @@ impl Arena {
                 node,
                 free: Mutex::new((0..count).rev().collect()),
                 on_release: Mutex::new(Vec::new()),
+                origin: crate::fork::Origin::here(),
             }),
         }
     }
@@ -390,6 +401,10 @@ impl Arena {
 
     /// Takes a free slot, or `None` when all are out.
     pub fn take(&self) -> Option<Slot> {
+        if self.map.unmapped_here() {
+            // A forked child: the slots' pages are not mapped here.
+            return None;
+        }
         let index = self.map.free.lock().expect("arena free list").pop()?;
         Some(Slot {
             map: Arc::clone(&self.map),
@@ -483,6 +498,7 @@ impl Slot {
 
     /// The whole slot, scratch included.
     pub fn as_bytes(&self) -> &[u8] {
+        self.assert_mapped();
         // SAFETY: this slot index is held only by `self` (see `Mapping`), the
         // range is inside the live mapping, and `&self` excludes writers.
         unsafe { std::slice::from_raw_parts(self.base(), self.map.slot_len) }
@@ -490,8 +506,19 @@ impl Slot {
 
     /// The whole slot, scratch included, writable.
     pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        self.assert_mapped();
         // SAFETY: as `as_bytes`, and `&mut self` makes the access exclusive.
         unsafe { std::slice::from_raw_parts_mut(self.base_mut_ptr(), self.map.slot_len) }
+    }
+
+    /// A clear panic instead of a segmentation fault: a slot of a parent's
+    /// arena touched in a forked child (its pages are `MADV_DONTFORK`).
+    fn assert_mapped(&self) {
+        if self.map.unmapped_here() {
+            panic!(
+                "a weightstream slot was touched in a forked child: arenas are MADV_DONTFORK, their pages exist only in the parent"
+            );
+        }
     }
 
     /// Identity of the arena this slot belongs to (unique in the process).

@@ -9,13 +9,16 @@
 //! relaxed atomic load, not a system call per read.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+#[cfg(not(miri))]
 use std::sync::Once;
 
 use crate::error::{Error, Result};
 
 static GENERATION: AtomicU64 = AtomicU64::new(0);
+#[cfg(not(miri))]
 static WATCH: Once = Once::new();
 
+#[cfg(not(miri))]
 extern "C" fn in_child() {
     // Async-signal-safe: one atomic add, nothing else.
     GENERATION.fetch_add(1, Relaxed);
@@ -31,6 +34,8 @@ pub(crate) struct Origin {
 impl Origin {
     /// The current process; registers the fork handler on first use.
     pub(crate) fn here() -> Self {
+        // Miri runs no fork and cannot call pthread_atfork.
+        #[cfg(not(miri))]
         WATCH.call_once(|| {
             // SAFETY: `in_child` is an `extern "C" fn()` that only does an
             // atomic add (async-signal-safe, as a child handler must be);

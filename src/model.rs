@@ -646,6 +646,7 @@ impl Model {
             backend_reason: None,
             rank_weights: self.inner.rank_weights.clone(),
             weights_note: self.inner.weights_note.clone(),
+            arena_dontfork_failures: crate::arena::dontfork_failures(),
             bytes: drives.iter().map(|d| d.bytes).sum(),
             fixed_files: None,
             registered_buffers: None,

@@ -175,6 +175,9 @@ pub struct Stats {
     /// Why the weights are not what was asked for (a failed probe).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub weights_note: Option<String>,
+    /// Arena mappings of this process whose `madvise(MADV_DONTFORK)` was
+    /// refused: `fork()` copies them (warned once).
+    pub arena_dontfork_failures: u64,
     /// Why this backend (when it was not the first choice).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub backend_reason: Option<String>,

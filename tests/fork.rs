@@ -21,8 +21,19 @@ const READ_NOT_REFUSED: i32 = 10;
 const WAIT_NOT_REFUSED: i32 = 11;
 const ARENA_NOT_REFUSED: i32 = 12;
 const WRONG_ERROR: i32 = 13;
+const SLOT_IN_CHILD: i32 = 14;
 
-fn child(engine: Engine, ticket: weightstream::Ticket, t: &weightstream::TensorRef, spec: SlotSpec) -> i32 {
+fn child(
+    engine: Engine,
+    ticket: weightstream::Ticket,
+    arena: &weightstream::Arena,
+    t: &weightstream::TensorRef,
+    spec: SlotSpec,
+) -> i32 {
+    // The parent's arena is not mapped here: no slot of it can be had.
+    if arena.take().is_some() {
+        return SLOT_IN_CHILD;
+    }
     let parent = std::os::unix::process::parent_id();
     let forked =
         |e: &Error| matches!(e, Error::Forked { parent: p, child: c } if *p == parent && *c == std::process::id());
@@ -96,7 +107,7 @@ fn an_engine_in_a_forked_child_refuses_work_and_drops_cleanly() {
         let pid = unsafe { libc::fork() };
         assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
         if pid == 0 {
-            let code = child(engine, ticket, &t, spec);
+            let code = child(engine, ticket, &big, &t, spec);
             // SAFETY: ends the child at once, running no exit handlers.
             unsafe { libc::_exit(code) };
         }
