@@ -105,7 +105,7 @@ fn work(io: &Io, drive_index: usize) {
         drive.counters.inflight_max.fetch_max(now as u64, Ordering::Relaxed);
         loop {
             let res = pread_chunk(model, &job);
-            if q.panic_fault.swap(false, Ordering::Relaxed) {
+            if q.panic_fault.load(Ordering::Relaxed) && q.panic_fault.swap(false, Ordering::Relaxed) {
                 // Test-only (`Engine::inject_fault`), with the chunk in hand.
                 panic!("injected fault: pread worker panic on drive {}", drive.device);
             }

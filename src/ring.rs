@@ -329,7 +329,9 @@ impl RingThread {
             for job in reads {
                 self.submit(job);
             }
-            if self.q.panic_fault.swap(false, std::sync::atomic::Ordering::Relaxed) {
+            if self.q.panic_fault.load(std::sync::atomic::Ordering::Relaxed)
+                && self.q.panic_fault.swap(false, std::sync::atomic::Ordering::Relaxed)
+            {
                 // Test-only (`Engine::inject_fault`): dies with chunks in flight.
                 panic!("injected fault: I/O thread panic on drive {}", self.device());
             }
