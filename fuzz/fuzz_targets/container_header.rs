@@ -58,7 +58,12 @@ fuzz_target!(|data: &[u8]| {
             let ours: BTreeMap<String, (String, Vec<usize>, u64, u64)> = h
                 .tensors
                 .iter()
-                .map(|t| (t.name.clone(), (t.dtype.name().to_string(), t.shape.clone(), t.begin, t.end)))
+                .map(|t| {
+                    (
+                        t.name.clone(),
+                        (t.dtype.name().to_string(), t.shape.clone(), t.begin, t.end),
+                    )
+                })
                 .collect();
             assert_eq!(ours, theirs, "accepted differently from the reference");
             assert_eq!(&h.metadata, meta.metadata());
