@@ -101,6 +101,36 @@ impl FromStr for IoPoll {
     }
 }
 
+/// How a drive's reads are issued to the kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SubmitMode {
+    /// Decided per drive at `Engine::new` by a short probe (eight 64 KiB
+    /// O_DIRECT reads): a drive that completes reads inside the submitting
+    /// call gets `Async`, every other drive `Inline`.
+    #[default]
+    Auto,
+    /// The ring thread issues each read itself (`io_uring_enter`); a device
+    /// that completes asynchronously (NVMe, virtio, loop) runs many at once.
+    Inline,
+    /// Every read is flagged `IOSQE_ASYNC` and issued by io-wq workers (at
+    /// most one per CPU of the drive's node): reads of a device that
+    /// completes inline (zram, brd, pmem) run in parallel instead of one
+    /// at a time on the ring thread.
+    Async,
+}
+
+impl FromStr for SubmitMode {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(SubmitMode::Auto),
+            "inline" => Ok(SubmitMode::Inline),
+            "async" => Ok(SubmitMode::Async),
+            other => Err(Error::Config(format!("submit {other:?}: expected auto, inline or async"))),
+        }
+    }
+}
+
 /// A fault to inject into a drive's I/O, for tests of the failure model
 /// (not a stable API).
 #[doc(hidden)]
@@ -142,6 +172,9 @@ pub struct EngineConfig {
     pub sqpoll: bool,
     /// Completion polling (IOPOLL rings): off by default.
     pub iopoll: IoPoll,
+    /// How reads are issued per drive (io_uring backend): decided by a probe
+    /// by default.
+    pub submit: SubmitMode,
     /// Worker threads per drive for the pread backend.
     pub pread_threads: usize,
     /// Route policy for this engine (default: the model's).
@@ -163,6 +196,7 @@ impl Default for EngineConfig {
             chunk: None,
             sqpoll: false,
             iopoll: IoPoll::Off,
+            submit: SubmitMode::Auto,
             pread_threads: 8,
             route: None,
             numa: true,
@@ -191,6 +225,9 @@ impl EngineConfig {
         if let Some(v) = var("WEIGHTSTREAM_IOPOLL") {
             c.iopoll = v.parse()?;
         }
+        if let Some(v) = var("WEIGHTSTREAM_SUBMIT") {
+            c.submit = v.parse()?;
+        }
         if let Some(v) = var("WEIGHTSTREAM_NUMA") {
             c.numa = !numa::is_off(&v);
         }
@@ -213,6 +250,8 @@ struct DriveIo {
     threads: Vec<JoinHandle<()>>,
     chunk: usize,
     ring: Option<String>,
+    /// How the ring issues reads (io_uring backend).
+    submit: Option<ring::SubmitChoice>,
     /// What the drive's I/O thread(s) bound themselves to.
     binding: String,
 }
@@ -403,6 +442,7 @@ impl Engine {
                 threads,
                 chunk,
                 ring: None,
+                submit: None,
                 binding,
             });
         }
@@ -871,6 +911,11 @@ impl Engine {
             d.numa_source = Some(l.source);
             d.numa_note = l.note.clone();
             d.thread_binding = Some(io.binding.clone());
+            if let Some(sc) = &io.submit {
+                d.submit = Some(if sc.punt { "async" } else { "inline" });
+                d.submit_reason = Some(sc.why.clone());
+                d.iowq_max_workers = sc.iowq_workers;
+            }
         }
         for (d, q) in s.drives.iter_mut().zip(&self.io.queues) {
             if q.is_closed() {
@@ -1033,10 +1078,20 @@ fn start_rings(
             IoPoll::Auto => device_polls(model, i),
             IoPoll::Force => true,
         };
+        let cpus = placements[i]
+            .locality
+            .cpuset
+            .as_deref()
+            .and_then(numa::parse_list)
+            .map(|c| c.len())
+            .filter(|&n| n > 0)
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
         let cfg = RingConfig {
             depth: depth as u32,
             sqpoll: config.sqpoll,
             iopoll,
+            submit: config.submit,
+            cpus: cpus as u32,
         };
         match ring::start(&io, i, cfg, placements[i].clone()) {
             Ok((handle, setup)) => {
@@ -1053,6 +1108,7 @@ fn start_rings(
                         threads: vec![handle],
                         chunk,
                         ring: Some(desc),
+                        submit: Some(setup.submit.clone()),
                         binding: setup.binding.clone(),
                     },
                     setup,

@@ -48,7 +48,7 @@ pub use arena::{Arena, Slot, SlotSpec};
 pub use catalog::{Catalog, TensorRef};
 pub use direct::{DirectMode, Loaded};
 pub use dtype::Dtype;
-pub use engine::{BackendChoice, DrivePlacement, Engine, EngineConfig, IoPoll, ShutdownReport, Ticket};
+pub use engine::{BackendChoice, DrivePlacement, Engine, EngineConfig, IoPoll, ShutdownReport, SubmitMode, Ticket};
 pub use error::{Error, Result};
 pub use layout::{ModelConfig, RoutePolicy, Weights};
 pub use model::{Model, VerifyReport};

@@ -632,6 +632,9 @@ impl Model {
                     thread_binding: None,
                     cross_node_bytes: ld(&c.cross_node_bytes),
                     chunks_abandoned: ld(&c.chunks_abandoned),
+                    submit: None,
+                    submit_reason: None,
+                    iowq_max_workers: None,
                     stopped: None,
                 }
             })

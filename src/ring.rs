@@ -45,6 +45,7 @@ pub(crate) const MAX_FIXED_BUFFER_BYTES: usize = 1 << 30;
 
 const EVENTFD_TAG: u64 = u64::MAX;
 const CANCEL_TAG: u64 = u64::MAX - 1;
+const PROBE_TAG: u64 = u64::MAX - 2;
 
 /// How long `io_uring_enter` may keep failing, with no completion reaped in
 /// between, before the ring is declared broken.
@@ -59,6 +60,63 @@ pub(crate) struct RingConfig {
     pub depth: u32,
     pub sqpoll: bool,
     pub iopoll: bool,
+    /// How reads are issued: inline, punted to io-wq, or decided by a probe.
+    pub submit: crate::engine::SubmitMode,
+    /// CPUs the drive's work may use (the io-wq bound when reads are punted).
+    pub cpus: u32,
+}
+
+/// How a drive's reads are issued, and why.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct SubmitChoice {
+    /// Every read is flagged `IOSQE_ASYNC`: io-wq workers issue it.
+    pub punt: bool,
+    pub why: String,
+    /// The io-wq bounded-worker limit set on the ring when reads are punted.
+    pub iowq_workers: Option<u32>,
+}
+
+/// What a submit probe saw: `k` O_DIRECT reads submitted in one
+/// `io_uring_enter` without waiting; the time that call took, and the time
+/// until the last completion.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct SubmitProbe {
+    pub k: u32,
+    pub bytes: u64,
+    pub submit: Duration,
+    pub total: Duration,
+}
+
+/// The share of a probe spent inside the submitting call above which the
+/// device is taken to complete reads inline, in the submitter.
+pub(crate) const INLINE_SHARE: f64 = 0.5;
+
+/// Decides how a drive's reads are issued from its probe (pure: unit-tested
+/// with made-up probes). A drive that completes reads inside the submitting
+/// call (zram, brd, pmem, some stacked drivers: the copy runs in
+/// `io_uring_enter`) serialises every read on the one ring thread: its
+/// reads are punted to io-wq, whose workers run them in parallel. A drive
+/// that completes asynchronously (NVMe, virtio, loop) is already parallel
+/// in the device: reads stay inline, the cheaper path.
+pub(crate) fn choose_submit(p: &SubmitProbe) -> (bool, String) {
+    let total = p.total.as_secs_f64();
+    if p.k == 0 || total <= 0.0 {
+        return (false, "inline (no probe read was possible)".into());
+    }
+    let share = (p.submit.as_secs_f64() / total).min(1.0);
+    let gbps = p.bytes as f64 / 1e9 / total;
+    let seen = format!(
+        "{} reads of {} KiB: the submitting call took {:.0}% of {:.2} ms ({gbps:.2} GB/s)",
+        p.k,
+        p.bytes / p.k as u64 / 1024,
+        share * 100.0,
+        total * 1e3
+    );
+    if share > INLINE_SHARE {
+        (true, format!("async: the device completes reads inline ({seen})"))
+    } else {
+        (false, format!("inline: the device completes asynchronously ({seen})"))
+    }
 }
 
 /// What setup achieved, reported back to the engine.
@@ -69,6 +127,8 @@ pub(crate) struct RingSetup {
     pub fixed_buffers: Result<(), String>,
     /// What the ring thread bound itself to (see `numa::bind_thread_described`).
     pub binding: String,
+    /// How its reads are issued.
+    pub submit: SubmitChoice,
 }
 
 /// Why a ring could not be started.
@@ -106,11 +166,14 @@ pub(crate) fn start(
                 }
             };
             let mut t = RingThread::new(ring, io2, drive, cfg);
+            let fixed_files = t.register_files();
+            let submit = t.choose_submit(cfg);
             let setup = RingSetup {
                 flags,
-                fixed_files: t.register_files(),
+                fixed_files,
                 fixed_buffers: t.sparse_buffers(),
                 binding,
+                submit,
             };
             let _ = tx.send(Ok(setup));
             match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| t.run())) {
@@ -226,6 +289,8 @@ struct RingThread {
     cancel_armed: bool,
     iopoll: bool,
     sqpoll: bool,
+    /// Every read is flagged `IOSQE_ASYNC` (see `choose_submit`).
+    punt: bool,
     reaped: Vec<(u64, i32)>,
     /// `user_data` of entries pushed but maybe not yet consumed by the
     /// kernel, oldest first (trimmed to the submission queue's length after
@@ -259,6 +324,7 @@ impl RingThread {
             cancel_armed: false,
             iopoll: cfg.iopoll,
             sqpoll: cfg.sqpoll,
+            punt: false,
             reaped: Vec::new(),
             unconsumed: VecDeque::new(),
             failing_since: None,
@@ -586,7 +652,124 @@ impl RingThread {
                 read_entry!(types::Fd(fd))
             }
         };
+        let e = if self.punt {
+            e.flags(io_uring::squeue::Flags::ASYNC)
+        } else {
+            e
+        };
         self.enqueue(job, e);
+    }
+
+    /// Decides (by configuration or by a probe) how this drive's reads are
+    /// issued, and bounds io-wq's workers when they are punted.
+    fn choose_submit(&mut self, cfg: RingConfig) -> SubmitChoice {
+        use crate::engine::SubmitMode;
+        let (punt, why) = match cfg.submit {
+            SubmitMode::Inline => (false, "inline (by configuration)".to_string()),
+            SubmitMode::Async => (true, "async (by configuration)".to_string()),
+            SubmitMode::Auto if self.iopoll => (false, "inline (a polled ring)".to_string()),
+            // Twice over the same ranges: the first pass flushes pages still
+            // dirty from a recent write (that flush makes any read go to
+            // io-wq) and warms the path; the second decides.
+            SubmitMode::Auto => match self.probe_submit().and_then(|_| self.probe_submit()) {
+                Ok(p) => choose_submit(&p),
+                Err(e) => (false, format!("inline (the submit probe failed: {e})")),
+            },
+        };
+        self.punt = punt;
+        let mut iowq_workers = None;
+        if punt {
+            // Bounded work (regular files, block devices): one worker per
+            // CPU the drive may use; more only contend for the same cores.
+            let mut limits = [cfg.cpus.max(1), 0];
+            match self.ring.submitter().register_iowq_max_workers(&mut limits) {
+                Ok(()) => iowq_workers = Some(cfg.cpus.max(1)),
+                Err(e) => tracing::warn!(drive = %self.device(), "io-wq worker limit not set ({e}); the kernel's default applies"),
+            }
+        }
+        tracing::debug!(drive = %self.device(), "submit: {why}");
+        SubmitChoice { punt, why, iowq_workers }
+    }
+
+    /// Submits a few O_DIRECT reads of this drive's largest file in one call
+    /// (no wait) and times that call against the last completion.
+    fn probe_submit(&mut self) -> std::io::Result<SubmitProbe> {
+        const K: u32 = 8;
+        const READ: usize = 64 << 10;
+        let Some((fi, file)) = self
+            .model
+            .files()
+            .iter()
+            .enumerate()
+            .filter(|(_, f)| f.drive == self.drive && f.direct.is_some())
+            .max_by_key(|(_, f)| f.size)
+        else {
+            return Ok(SubmitProbe { k: 0, bytes: 0, submit: Duration::ZERO, total: Duration::ZERO });
+        };
+        let align = (file.topo.dio_offset_align.max(file.topo.dio_mem_align) as u64).max(4096);
+        let len = (READ as u64).min(file.size / K as u64 / align * align);
+        if len == 0 {
+            return Ok(SubmitProbe { k: 0, bytes: 0, submit: Duration::ZERO, total: Duration::ZERO });
+        }
+        let spec = crate::arena::SlotSpec::new(len as usize).with_align(align as usize);
+        let arena = crate::arena::Arena::new(spec, K as usize).map_err(std::io::Error::other)?;
+        let mut slots: Vec<_> = (0..K).filter_map(|_| arena.take()).collect();
+        let fd = self.fixed[fi].and_then(|(d, _)| d);
+        let raw = file.direct.as_ref().map(|d| d.as_raw_fd()).unwrap_or(-1);
+        let stride = file.size / K as u64 / align * align;
+        for (k, slot) in slots.iter_mut().enumerate() {
+            let ptr = slot.as_bytes_mut().as_mut_ptr();
+            let off = k as u64 * stride;
+            let e = match fd {
+                Some(f) => opcode::Read::new(types::Fixed(f), ptr, len as u32).offset(off).build(),
+                None => opcode::Read::new(types::Fd(raw), ptr, len as u32).offset(off).build(),
+            }
+            .user_data(PROBE_TAG);
+            // SAFETY: each entry reads into its own slot of `arena`, which
+            // lives until every probe completion is reaped below (or, if the
+            // ring cannot be entered, is leaked with `slots`).
+            unsafe { self.push_sqe(&e) };
+        }
+        let t0 = Instant::now();
+        let submitted = self.ring.submit();
+        let t_submit = t0.elapsed();
+        if let Err(e) = submitted {
+            std::mem::forget(slots);
+            std::mem::forget(arena);
+            return Err(e);
+        }
+        let mut left = K;
+        let mut failed = None;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while left > 0 {
+            if let Err(e) = self.ring.submit_and_wait(1) {
+                if !matches!(e.raw_os_error(), Some(libc::EINTR | libc::EAGAIN | libc::EBUSY)) || Instant::now() > deadline {
+                    // The kernel may still write into the probe's slots.
+                    std::mem::forget(slots);
+                    std::mem::forget(arena);
+                    return Err(e);
+                }
+            }
+            for c in self.ring.completion() {
+                if c.user_data() == PROBE_TAG {
+                    left -= 1;
+                    if c.result() < 0 {
+                        failed = Some(std::io::Error::from_raw_os_error(-c.result()));
+                    }
+                }
+            }
+        }
+        let total = t0.elapsed();
+        self.unconsumed.clear();
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        Ok(SubmitProbe {
+            k: K,
+            bytes: K as u64 * len,
+            submit: t_submit,
+            total,
+        })
     }
 
     fn pread_now(&mut self, mut job: Job) {
@@ -724,5 +907,52 @@ impl Drop for RingThread {
             drive = %device,
             "{why}: {n} chunk(s) were still in the kernel; their slots and the ring are leaked, never reused; their reads fail"
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn probe(submit_us: u64, total_us: u64) -> SubmitProbe {
+        SubmitProbe {
+            k: 8,
+            bytes: 8 << 16,
+            submit: Duration::from_micros(submit_us),
+            total: Duration::from_micros(total_us),
+        }
+    }
+
+    #[test]
+    fn a_drive_that_completes_in_the_submitter_is_punted() {
+        // zram: the copy runs inside io_uring_enter.
+        let (punt, why) = choose_submit(&probe(180, 190));
+        assert!(punt, "{why}");
+        assert!(why.starts_with("async") && why.contains("95%"), "{why}");
+    }
+
+    #[test]
+    fn a_drive_that_completes_asynchronously_stays_inline() {
+        // NVMe, virtio, loop: the call returns at once, the device works on.
+        let (punt, why) = choose_submit(&probe(20, 400));
+        assert!(!punt, "{why}");
+        assert!(why.starts_with("inline") && why.contains("5%"), "{why}");
+    }
+
+    #[test]
+    fn the_threshold_and_degenerate_probes() {
+        assert!(!choose_submit(&probe(50, 100)).0, "exactly half is not inline");
+        assert!(choose_submit(&probe(51, 100)).0);
+        // A clock that says the call took longer than the whole probe.
+        assert!(choose_submit(&probe(300, 200)).0);
+        // No read possible (tiny or no O_DIRECT file), or a zero clock.
+        let none = SubmitProbe {
+            k: 0,
+            bytes: 0,
+            submit: Duration::ZERO,
+            total: Duration::ZERO,
+        };
+        assert!(!choose_submit(&none).0);
+        assert!(!choose_submit(&probe(0, 0)).0);
     }
 }

@@ -153,6 +153,16 @@ pub struct DriveStats {
     pub cross_node_bytes: u64,
     /// Chunks given up while the kernel still held them (their slots leaked).
     pub chunks_abandoned: u64,
+    /// How the ring issues reads: `inline` (the ring thread) or `async`
+    /// (punted to io-wq workers); io_uring engines only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub submit: Option<&'static str>,
+    /// Why (the probe's figures, or the configuration).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub submit_reason: Option<String>,
+    /// io-wq's bounded-worker limit on the ring, when reads are punted.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub iowq_max_workers: Option<u32>,
     /// Why the drive takes no more work (its I/O thread stopped); engines only.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub stopped: Option<String>,

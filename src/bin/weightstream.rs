@@ -227,6 +227,11 @@ struct EngineArgs {
     /// Completion polling, on drives whose queue/io_poll says they poll.
     #[arg(long)]
     iopoll: bool,
+    /// How reads are issued per drive: auto (a probe at start: punted to
+    /// io-wq on a drive that completes inline, like zram), inline, or async
+    /// (default: WEIGHTSTREAM_SUBMIT or auto).
+    #[arg(long)]
+    submit: Option<String>,
     /// NUMA placement: on (bind each drive's I/O threads to its node's CPUs,
     /// prefer local copies) or off (default: WEIGHTSTREAM_NUMA or on).
     #[arg(long)]
@@ -252,6 +257,9 @@ impl EngineArgs {
         c.sqpoll |= self.sqpoll;
         if self.iopoll {
             c.iopoll = weightstream::IoPoll::Auto;
+        }
+        if let Some(v) = &self.submit {
+            c.submit = v.parse()?;
         }
         if let Some(v) = &self.numa {
             c.numa = parse_on_off("--numa", v)?;
@@ -622,6 +630,14 @@ fn inspect(dir: PathBuf, layout: &LayoutArgs, numa: Option<&str>, json: bool) ->
             if st.ring.is_some() { "ring" } else { "pread" },
             st.thread_binding.as_deref().unwrap_or("-")
         )?;
+        if let Some(why) = &st.submit_reason {
+            writeln!(
+                out,
+                "  submit {why}{}",
+                st.iowq_max_workers
+                    .map_or(String::new(), |n| format!("; io-wq workers at most {n}"))
+            )?;
+        }
     }
     Ok(())
 }
