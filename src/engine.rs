@@ -175,6 +175,9 @@ pub struct EngineConfig {
     /// How reads are issued per drive (io_uring backend): decided by a probe
     /// by default.
     pub submit: SubmitMode,
+    /// io-wq's bounded-worker limit per ring when reads are punted
+    /// (default: the number of CPUs of the drive's node, or of the machine).
+    pub iowq_workers: Option<u32>,
     /// Worker threads per drive for the pread backend.
     pub pread_threads: usize,
     /// Route policy for this engine (default: the model's).
@@ -197,6 +200,7 @@ impl Default for EngineConfig {
             sqpoll: false,
             iopoll: IoPoll::Off,
             submit: SubmitMode::Auto,
+            iowq_workers: None,
             pread_threads: 8,
             route: None,
             numa: true,
@@ -227,6 +231,9 @@ impl EngineConfig {
         }
         if let Some(v) = var("WEIGHTSTREAM_SUBMIT") {
             c.submit = v.parse()?;
+        }
+        if let Some(v) = var("WEIGHTSTREAM_IOWQ_WORKERS") {
+            c.iowq_workers = Some(parse_num("WEIGHTSTREAM_IOWQ_WORKERS", &v)? as u32);
         }
         if let Some(v) = var("WEIGHTSTREAM_NUMA") {
             c.numa = !numa::is_off(&v);
@@ -1091,7 +1098,7 @@ fn start_rings(
             sqpoll: config.sqpoll,
             iopoll,
             submit: config.submit,
-            cpus: cpus as u32,
+            cpus: config.iowq_workers.unwrap_or(cpus as u32),
         };
         match ring::start(&io, i, cfg, placements[i].clone()) {
             Ok((handle, setup)) => {
