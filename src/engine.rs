@@ -35,9 +35,23 @@ const MAX_COPIES: usize = crate::model::MAX_COPY_RANKS;
 #[derive(Debug, Clone, Copy, Default)]
 struct Touched {
     drive: usize,
-    queued: usize,
+    /// Lanes of the drive (bit k: its k-th lane) with chunks queued since
+    /// the last notify.
+    queued: u64,
     direct: bool,
     buffered: bool,
+}
+
+impl Touched {
+    /// Wakes the lanes this read queued chunks on since the last notify.
+    fn notify(&mut self, io: &Io) {
+        let start = io.lanes[self.drive].start;
+        while self.queued != 0 {
+            let k = self.queued.trailing_zeros() as usize;
+            io.queues[start + k].notify();
+            self.queued &= self.queued - 1;
+        }
+    }
 }
 
 /// `adaptive` routing: a copy on a drive of another NUMA node than the
@@ -101,35 +115,80 @@ impl FromStr for IoPoll {
     }
 }
 
-/// How a drive's reads are issued to the kernel.
+/// How a drive's reads are issued to the kernel (io_uring backend).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum SubmitMode {
     /// Decided per drive at `Engine::new` by a short probe (eight 64 KiB
-    /// O_DIRECT reads): a drive that completes reads inside the submitting
-    /// call gets `Async`, every other drive `Inline`.
+    /// O_DIRECT reads, timed): a drive that completes reads inside the
+    /// submitting call (zram, brd, pmem: the copy runs in `io_uring_enter`)
+    /// gets one ring per CPU of its node (`Rings`), every other drive one
+    /// ring that issues inline.
     #[default]
     Auto,
-    /// The ring thread issues each read itself (`io_uring_enter`); a device
-    /// that completes asynchronously (NVMe, virtio, loop) runs many at once.
+    /// One ring thread issues each read itself; a device that completes
+    /// asynchronously (NVMe, virtio, loop) runs many at once.
     Inline,
-    /// Every read is flagged `IOSQE_ASYNC` and issued by io-wq workers (at
-    /// most one per CPU of the drive's node): reads of a device that
-    /// completes inline (zram, brd, pmem) run in parallel instead of one
-    /// at a time on the ring thread.
+    /// `n` ring threads for the drive, its chunks dealt round robin, each
+    /// ring issuing inline: on a device that completes in the submitter,
+    /// each copies its share on its own core.
+    Rings(u32),
+    /// One ring; every read flagged `IOSQE_ASYNC` and issued by io-wq workers
+    /// (at most one per CPU of the drive's node).
     Async,
 }
 
 impl FromStr for SubmitMode {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
-        match s.trim().to_ascii_lowercase().as_str() {
+        let t = s.trim().to_ascii_lowercase();
+        match t.as_str() {
             "auto" => Ok(SubmitMode::Auto),
             "inline" => Ok(SubmitMode::Inline),
             "async" => Ok(SubmitMode::Async),
-            other => Err(Error::Config(format!("submit {other:?}: expected auto, inline or async"))),
+            _ => match t.strip_prefix("rings:").map(|n| n.trim().parse::<u32>()) {
+                Some(Ok(n)) if (1..=64).contains(&n) => Ok(SubmitMode::Rings(n)),
+                _ => Err(Error::Config(format!(
+                    "submit {t:?}: expected auto, inline, async or rings:N (N from 1 to 64)"
+                ))),
+            },
         }
     }
 }
+
+/// How one drive's reads are issued, decided at `Engine::new`.
+#[derive(Debug, Clone, PartialEq)]
+struct SubmitPlan {
+    /// Ring threads (lanes) for the drive.
+    rings: usize,
+    /// Reads flagged `IOSQE_ASYNC`.
+    punt: bool,
+    why: String,
+}
+
+/// The plan for a drive from the configuration and, for `Auto`, its probe
+/// (`None`: no probe ran). Pure: unit-tested with made-up probes.
+fn plan_submit(mode: SubmitMode, probe: Option<std::io::Result<ring::SubmitProbe>>, cpus: usize) -> SubmitPlan {
+    let plan = |rings: usize, punt: bool, why: String| SubmitPlan { rings, punt, why };
+    match mode {
+        SubmitMode::Inline => plan(1, false, "inline (by configuration)".into()),
+        SubmitMode::Async => plan(1, true, "async: punted to io-wq (by configuration)".into()),
+        SubmitMode::Rings(n) => plan(n as usize, false, format!("{n} rings (by configuration)")),
+        SubmitMode::Auto => match probe {
+            None => plan(1, false, "inline (no probe: a polled ring)".into()),
+            Some(Err(e)) => plan(1, false, format!("inline (the submit probe failed: {e})")),
+            Some(Ok(p)) => match ring::completes_inline(&p) {
+                (true, seen) if cpus > 1 => {
+                    let n = cpus.min(MAX_RINGS_PER_DRIVE);
+                    plan(n, false, format!("{n} rings, one per CPU: {seen}"))
+                }
+                (_, seen) => plan(1, false, format!("inline: {seen}")),
+            },
+        },
+    }
+}
+
+/// Most ring threads one drive gets under `SubmitMode::Auto`.
+const MAX_RINGS_PER_DRIVE: usize = 8;
 
 /// A fault to inject into a drive's I/O, for tests of the failure model
 /// (not a stable API).
@@ -257,8 +316,9 @@ struct DriveIo {
     threads: Vec<JoinHandle<()>>,
     chunk: usize,
     ring: Option<String>,
-    /// How the ring issues reads (io_uring backend).
-    submit: Option<ring::SubmitChoice>,
+    /// How the drive's rings issue reads (io_uring backend), and io-wq's
+    /// bound when they punt.
+    submit: Option<(SubmitPlan, Option<u32>)>,
     /// What the drive's I/O thread(s) bound themselves to.
     binding: String,
 }
@@ -434,7 +494,8 @@ impl Engine {
                 }
             }
         }
-        let io = make_io(model, depth, false, &nodes).map_err(|e| Error::io("<engine>", "eventfd", e))?;
+        let io = make_io(model, depth, false, &nodes, &vec![1; chunks.len()])
+            .map_err(|e| Error::io("<engine>", "eventfd", e))?;
         let mut drives = Vec::new();
         for (i, &chunk) in chunks.iter().enumerate() {
             let (threads, binding) = match crate::pread::start(&io, i, config.pread_threads.min(depth), &placements[i])
@@ -769,7 +830,7 @@ impl Engine {
         let mut nt = 0usize;
         let mut refused_counted = [false; MAX_COPIES];
         let split = chunk::split(&w, tensor.shard as u32, chunk_size);
-        let alive = |k: usize| !self.io.queues[model.files()[copies[k]].drive].is_closed();
+        let alive = |k: usize| self.io.drive_open(model.files()[copies[k]].drive);
         for mut ch in split {
             let r = match policy {
                 RoutePolicy::Hash => hashed,
@@ -825,32 +886,30 @@ impl Engine {
             if target.buf_index.is_none() && matches!(self.backend, Backend::Uring) {
                 DriveCounters::add(&model.drives()[d].counters.chunks_unregistered, 1);
             }
-            let q = &self.io.queues[d];
+            let lane = self.io.pick_lane(d);
+            let q = &self.io.queues[lane];
             let job = Job::new(ReqArc::clone(&req), ch, target, tensor.index as u32, pad, len);
             if !q.credits.try_acquire() {
-                for t in touched[..nt].iter_mut().filter(|t| t.queued > 0) {
-                    self.io.queues[t.drive].notify();
-                    t.queued = 0;
+                for t in touched[..nt].iter_mut() {
+                    t.notify(&self.io);
                 }
                 if !q.credits.acquire() {
                     // The drive stopped: this chunk goes to another copy or
                     // fails, naming the drive (its credit is not held).
                     q.credits.force_acquire();
                     self.io.loads[d].add(ch.len as u64);
-                    self.divert(job, d);
+                    self.divert(job, lane);
                     continue;
                 }
             }
             self.io.loads[d].add(ch.len as u64);
             match q.push(job) {
-                Ok(()) => touched[ti].queued += 1,
-                Err(job) => self.divert(job, d),
+                Ok(()) => touched[ti].queued |= 1 << ((lane - self.io.lanes[d].start) % 64),
+                Err(job) => self.divert(job, lane),
             }
         }
-        for t in &touched[..nt] {
-            if t.queued > 0 {
-                self.io.queues[t.drive].notify();
-            }
+        for t in touched[..nt].iter_mut() {
+            t.notify(&self.io);
             let c = &model.drives()[t.drive].counters;
             if t.direct {
                 DriveCounters::add(&c.reads_direct, 1);
@@ -861,19 +920,17 @@ impl Engine {
         Ok(Ticket::new(req, pad, len, self.origin))
     }
 
-    /// A chunk routed to drive `d`, which stopped before it could be queued
-    /// (it holds `d`'s credit): another copy takes it, or the read fails
-    /// naming the drive.
-    fn divert(&self, job: Job, d: usize) {
-        let why = self.io.queues[d]
+    /// A chunk routed to lane `lane`, which stopped before it could be
+    /// queued (it holds the drive's credit): another lane or copy takes it,
+    /// or the read fails naming the drive.
+    fn divert(&self, job: Job, lane: usize) {
+        let d = self.io.queues[lane].drive;
+        let why = self.io.queues[lane]
             .closed_reason()
             .unwrap_or_else(|| "the engine is shutting down".to_string());
         let why = format!("drive {} is not running: {why}", self.model.drives()[d].device);
-        if let Some(again) = crate::queue::fail_copy(job, why.clone(), &self.io, d) {
-            again.done(Some(Error::DriveStopped {
-                device: self.model.drives()[d].device.clone(),
-                reason: why,
-            }));
+        if let Some(again) = crate::queue::fail_copy(job, why.clone(), &self.io, lane) {
+            crate::queue::requeue(&self.io, again, &why);
         }
     }
 
@@ -918,16 +975,15 @@ impl Engine {
             d.numa_source = Some(l.source);
             d.numa_note = l.note.clone();
             d.thread_binding = Some(io.binding.clone());
-            if let Some(sc) = &io.submit {
-                d.submit = Some(if sc.punt { "async" } else { "inline" });
-                d.submit_reason = Some(sc.why.clone());
-                d.iowq_max_workers = sc.iowq_workers;
+            if let Some((plan, iowq)) = &io.submit {
+                d.submit = Some(if plan.punt { "async" } else { "inline" });
+                d.rings = Some(plan.rings as u32);
+                d.submit_reason = Some(plan.why.clone());
+                d.iowq_max_workers = *iowq;
             }
         }
-        for (d, q) in s.drives.iter_mut().zip(&self.io.queues) {
-            if q.is_closed() {
-                d.stopped = q.closed_reason();
-            }
+        for (i, d) in s.drives.iter_mut().enumerate() {
+            d.stopped = self.io.drive_stopped(i);
         }
         s
     }
@@ -957,11 +1013,11 @@ impl Engine {
             };
         }
         self.io.cancelled.store(true, Ordering::Relaxed);
-        for (d, q) in self.io.queues.iter().enumerate() {
+        for (lane, q) in self.io.queues.iter().enumerate() {
             // Nothing queued reaches the kernel any more.
             let queued = std::mem::take(&mut lock(&q.jobs).reads);
             let why = "cancelled by Engine::shutdown";
-            crate::queue::fail_queued(&self.io, d, why, (queued.into_iter().collect(), Vec::new()));
+            crate::queue::fail_queued(&self.io, lane, why, (queued.into_iter().collect(), Vec::new()));
             let _ = q.push_control(Control::CancelAll);
             q.shutdown();
         }
@@ -976,8 +1032,10 @@ impl Engine {
                     let _ = t.join();
                 }
             } else {
-                let q = &self.io.queues[d];
-                let n = q.in_kernel.load(Ordering::Relaxed) + q.active.load(Ordering::Relaxed);
+                let n: usize = self.io.queues[self.io.lanes[d].clone()]
+                    .iter()
+                    .map(|q| q.in_kernel.load(Ordering::Relaxed) + q.active.load(Ordering::Relaxed))
+                    .sum();
                 let device = self.model.drives()[d].device.clone();
                 tracing::warn!(
                     drive = %device,
@@ -997,13 +1055,19 @@ impl Engine {
     /// model (not a stable API).
     #[doc(hidden)]
     pub fn inject_fault(&self, drive: usize, fault: Fault) {
-        let q = &self.io.queues[drive];
+        // A panic takes one I/O thread (the drive's first lane); a failing
+        // io_uring_enter hits every ring of the drive.
+        let lanes = &self.io.queues[self.io.lanes[drive].clone()];
         match fault {
             Fault::PanicIoThread => {
-                q.panic_fault.store(true, Ordering::Relaxed);
-                q.notify();
+                lanes[0].panic_fault.store(true, Ordering::Relaxed);
+                lanes[0].notify();
             }
-            Fault::EnterFails(errno) => q.enter_fault.store(errno, Ordering::Relaxed),
+            Fault::EnterFails(errno) => {
+                for q in lanes {
+                    q.enter_fault.store(errno, Ordering::Relaxed);
+                }
+            }
         }
     }
 }
@@ -1045,22 +1109,36 @@ fn stop(io: &Io, drives: &mut [DriveIo]) {
     }
 }
 
-/// The queues (with an eventfd each for rings) and load trackers of every drive.
-fn make_io(model: &Model, depth: usize, eventfd: bool, nodes: &[Option<usize>]) -> std::io::Result<Arc<Io>> {
+/// The lanes (`lanes[d]` per drive, with an eventfd each for rings) and the
+/// load trackers of every drive. A drive's lanes share its credits.
+fn make_io(
+    model: &Model,
+    depth: usize,
+    eventfd: bool,
+    nodes: &[Option<usize>],
+    lanes: &[usize],
+) -> std::io::Result<Arc<Io>> {
     let n = model.drives().len();
-    let queues = (0..n)
-        .map(|_| {
+    let mut queues = Vec::new();
+    let mut ranges = Vec::with_capacity(n);
+    for (d, &k) in lanes.iter().enumerate() {
+        let credits = Arc::new(crate::inflight::Credits::new(depth));
+        let start = queues.len();
+        for _ in 0..k.max(1) {
             let efd = if eventfd {
                 Some(rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC)?)
             } else {
                 None
             };
-            Ok(Arc::new(DriveQueue::new(depth, efd)))
-        })
-        .collect::<std::io::Result<Vec<_>>>()?;
+            queues.push(Arc::new(DriveQueue::new(d, Arc::clone(&credits), efd)));
+        }
+        ranges.push(start..queues.len());
+    }
     Ok(Arc::new(Io {
         model: model.clone(),
         queues,
+        lanes: ranges,
+        next_lane: (0..n).map(|_| AtomicUsize::new(0)).collect(),
         loads: (0..n).map(|_| route::DriveLoad::new(1e9)).collect(),
         nodes: nodes.to_vec(),
         cancelled: std::sync::atomic::AtomicBool::new(false),
@@ -1077,15 +1155,15 @@ fn start_rings(
     placements: &[ThreadPlacement],
     nodes: &[Option<usize>],
 ) -> std::result::Result<RingStart, ring::StartError> {
-    let io = make_io(model, depth, true, nodes).map_err(ring::StartError::Setup)?;
-    let mut out: Vec<(DriveIo, ring::RingSetup)> = Vec::new();
-    for (i, &chunk) in chunks.iter().enumerate() {
+    // Per drive: polled or not, how many CPUs, and how reads are issued.
+    let mut setups = Vec::with_capacity(chunks.len());
+    for (i, place) in placements.iter().enumerate() {
         let iopoll = match config.iopoll {
             IoPoll::Off => false,
             IoPoll::Auto => device_polls(model, i),
             IoPoll::Force => true,
         };
-        let cpus = placements[i]
+        let cpus = place
             .locality
             .cpuset
             .as_deref()
@@ -1093,40 +1171,66 @@ fn start_rings(
             .map(|c| c.len())
             .filter(|&n| n > 0)
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+        let probe = (config.submit == SubmitMode::Auto && !iopoll)
+            .then(|| model.files().iter().filter(|f| f.drive == i).max_by_key(|f| f.size))
+            .flatten()
+            .map(ring::probe_submit);
+        let plan = plan_submit(config.submit, probe, cpus);
+        tracing::debug!(drive = %model.drives()[i].device, "submit: {}", plan.why);
+        setups.push((iopoll, cpus, plan));
+    }
+    let lanes: Vec<usize> = setups.iter().map(|s| s.2.rings).collect();
+    let io = make_io(model, depth, true, nodes, &lanes).map_err(ring::StartError::Setup)?;
+    let mut out: Vec<(DriveIo, ring::RingSetup)> = Vec::new();
+    for (i, (&chunk, (iopoll, cpus, plan))) in chunks.iter().zip(setups).enumerate() {
         let cfg = RingConfig {
             depth: depth as u32,
             sqpoll: config.sqpoll,
             iopoll,
-            submit: config.submit,
+            punt: plan.punt,
             cpus: config.iowq_workers.unwrap_or(cpus as u32),
         };
-        match ring::start(&io, i, cfg, placements[i].clone()) {
-            Ok((handle, setup)) => {
-                let desc = format!(
-                    "{}{}",
-                    setup.flags,
-                    match &setup.fixed_files {
-                        Ok(()) => ", fixed files".to_string(),
-                        Err(e) => format!(", no fixed files ({e})"),
-                    }
-                );
-                out.push((
-                    DriveIo {
-                        threads: vec![handle],
+        let mut threads = Vec::new();
+        let mut first: Option<ring::RingSetup> = None;
+        for lane in io.lanes[i].clone() {
+            match ring::start(&io, lane, cfg, placements[i].clone()) {
+                Ok((handle, setup)) => {
+                    threads.push(handle);
+                    first.get_or_insert(setup);
+                }
+                Err(e) => {
+                    let mut started: Vec<DriveIo> = out.into_iter().map(|d| d.0).collect();
+                    started.push(DriveIo {
+                        threads,
                         chunk,
-                        ring: Some(desc),
-                        submit: Some(setup.submit.clone()),
-                        binding: setup.binding.clone(),
-                    },
-                    setup,
-                ));
-            }
-            Err(e) => {
-                let mut started: Vec<DriveIo> = out.into_iter().map(|d| d.0).collect();
-                stop(&io, &mut started);
-                return Err(e);
+                        ring: None,
+                        submit: None,
+                        binding: String::new(),
+                    });
+                    stop(&io, &mut started);
+                    return Err(e);
+                }
             }
         }
+        let setup = first.expect("a drive has at least one lane");
+        let desc = format!(
+            "{}{}",
+            setup.flags,
+            match &setup.fixed_files {
+                Ok(()) => ", fixed files".to_string(),
+                Err(e) => format!(", no fixed files ({e})"),
+            }
+        );
+        out.push((
+            DriveIo {
+                threads,
+                chunk,
+                ring: Some(desc),
+                submit: Some((plan, setup.iowq_workers)),
+                binding: setup.binding.clone(),
+            },
+            setup,
+        ));
     }
     let refused = out.iter().find_map(|d| d.1.fixed_files.clone().err());
     if let Some(why) = &refused {
@@ -1285,6 +1389,52 @@ impl Drop for Ticket {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn probe(submit_us: u64, total_us: u64) -> Option<std::io::Result<ring::SubmitProbe>> {
+        Some(Ok(ring::SubmitProbe {
+            k: 8,
+            bytes: 8 << 16,
+            submit: std::time::Duration::from_micros(submit_us),
+            total: std::time::Duration::from_micros(total_us),
+        }))
+    }
+
+    #[test]
+    fn an_inline_drive_gets_one_ring_per_cpu_and_others_one_ring() {
+        let p = plan_submit(SubmitMode::Auto, probe(190, 200), 2);
+        assert_eq!((p.rings, p.punt), (2, false), "{p:?}");
+        assert!(p.why.contains("inline") && p.why.contains("2 rings"), "{}", p.why);
+        let p = plan_submit(SubmitMode::Auto, probe(190, 200), 64);
+        assert_eq!(p.rings, MAX_RINGS_PER_DRIVE, "capped: {p:?}");
+        // One CPU: more rings would only take turns on it.
+        assert_eq!(plan_submit(SubmitMode::Auto, probe(190, 200), 1).rings, 1);
+        let p = plan_submit(SubmitMode::Auto, probe(10, 400), 8);
+        assert_eq!((p.rings, p.punt), (1, false), "{p:?}");
+        assert!(p.why.contains("asynchronously"), "{}", p.why);
+    }
+
+    #[test]
+    fn configuration_wins_and_a_failed_probe_is_said() {
+        assert_eq!(plan_submit(SubmitMode::Inline, probe(190, 200), 4).rings, 1);
+        assert_eq!(plan_submit(SubmitMode::Rings(3), None, 4).rings, 3);
+        let a = plan_submit(SubmitMode::Async, None, 4);
+        assert_eq!((a.rings, a.punt), (1, true));
+        let f = plan_submit(
+            SubmitMode::Auto,
+            Some(Err(std::io::Error::from_raw_os_error(libc::EINVAL))),
+            4,
+        );
+        assert_eq!(f.rings, 1);
+        assert!(
+            f.why.contains("probe failed") && f.why.contains("Invalid argument"),
+            "{}",
+            f.why
+        );
+        assert!(plan_submit(SubmitMode::Auto, None, 4).why.contains("polled"));
+        assert_eq!("rings:4".parse::<SubmitMode>().unwrap(), SubmitMode::Rings(4));
+        assert!("rings:0".parse::<SubmitMode>().is_err());
+        assert!("fast".parse::<SubmitMode>().is_err());
+    }
 
     #[test]
     fn setup_failures_say_what_to_do() {

@@ -633,6 +633,7 @@ impl Model {
                     cross_node_bytes: ld(&c.cross_node_bytes),
                     chunks_abandoned: ld(&c.chunks_abandoned),
                     submit: None,
+                    rings: None,
                     submit_reason: None,
                     iowq_max_workers: None,
                     stopped: None,

@@ -23,7 +23,9 @@ pub(crate) fn start(
 ) -> std::io::Result<(Vec<JoinHandle<()>>, String)> {
     let name = format!("ws-pread-{}", io.model.drives()[drive].device);
     let (tx, rx) = std::sync::mpsc::channel();
-    let q = &io.queues[drive];
+    // The pread backend has one lane per drive, shared by its workers.
+    let lane = io.lanes[drive].start;
+    let q = &io.queues[lane];
     let mut handles = Vec::new();
     for i in 0..threads.max(1) {
         let io2 = Arc::clone(io);
@@ -32,7 +34,7 @@ pub(crate) fn start(
         let spawned = std::thread::Builder::new().name(format!("{name}-{i}")).spawn(move || {
             let _ = tx.send(placement.apply());
             drop(tx);
-            worker(&io2, drive);
+            worker(&io2, lane);
         });
         match spawned {
             Ok(h) => handles.push(h),
@@ -56,17 +58,17 @@ pub(crate) fn start(
 /// nothing of a chunk is left with the kernel once it returns: a panic
 /// while a chunk is in hand fails that chunk's read (the job's drop) and
 /// the worker goes on; pread workers are never lost to a panic.
-fn worker(io: &Io, drive_index: usize) {
-    let q = &*io.queues[drive_index];
+fn worker(io: &Io, lane: usize) {
+    let q = &*io.queues[lane];
     loop {
-        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work(io, drive_index))) {
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work(io, lane))) {
             Ok(()) => break,
             Err(payload) => {
                 let what = crate::ring::panic_text(&*payload);
                 std::mem::forget(payload);
                 q.active.fetch_sub(1, Ordering::Relaxed);
                 tracing::error!(
-                    drive = %io.model.drives()[drive_index].device,
+                    drive = %io.model.drives()[q.drive].device,
                     "a pread worker panicked ({what}); the chunk in hand failed its read, the worker goes on"
                 );
             }
@@ -76,13 +78,13 @@ fn worker(io: &Io, drive_index: usize) {
         // The last worker: whatever was queued since (a failover from
         // another drive) has no one to read it.
         let why = "the engine was shut down";
-        let queued = q.close(why);
-        fail_queued(io, drive_index, why, queued);
+        let queued = io.close_lane(lane, why);
+        fail_queued(io, lane, why, queued);
     }
 }
 
-fn work(io: &Io, drive_index: usize) {
-    let (model, q) = (&io.model, &*io.queues[drive_index]);
+fn work(io: &Io, lane: usize) {
+    let (model, q) = (&io.model, &*io.queues[lane]);
     loop {
         let job = {
             let mut jobs = lock(&q.jobs);
@@ -109,7 +111,7 @@ fn work(io: &Io, drive_index: usize) {
                 // Test-only (`Engine::inject_fault`), with the chunk in hand.
                 panic!("injected fault: pread worker panic on drive {}", drive.device);
             }
-            match settle(job, res, io, drive_index) {
+            match settle(job, res, io, lane) {
                 Some(again) => job = again,
                 None => break,
             }

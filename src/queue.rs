@@ -112,18 +112,75 @@ impl Drop for Job {
     }
 }
 
-/// What every I/O thread of an engine shares: the model, every drive's
-/// queue (a chunk that fails on one copy moves to another drive's queue) and
+/// What every I/O thread of an engine shares: the model, every lane's
+/// queue (a chunk that fails on one copy moves to another drive's lane) and
 /// every drive's load (for adaptive routing).
+///
+/// A drive has one lane per I/O thread that takes its chunks: one ring, or
+/// several rings for a drive that completes reads inline in the submitter
+/// (each ring then copies its share on its own core), or one queue shared by
+/// the pread workers. The lanes of a drive share its credits.
 pub(crate) struct Io {
     pub model: crate::Model,
+    /// Every lane, drive by drive (`lanes[d]` are drive `d`'s).
     pub queues: Vec<std::sync::Arc<DriveQueue>>,
+    /// Drive -> its lanes' indices in `queues`.
+    pub lanes: Vec<std::ops::Range<usize>>,
+    /// Drive -> the lane its next chunk goes to (round robin).
+    pub next_lane: Vec<std::sync::atomic::AtomicUsize>,
     pub loads: Vec<crate::route::DriveLoad>,
     /// NUMA node of each drive, when known.
     pub nodes: Vec<Option<usize>>,
     /// `Engine::shutdown` cancelled what was in flight: a failed chunk is
     /// final (no failover to another copy).
     pub cancelled: AtomicBool,
+}
+
+impl Io {
+    /// Whether any lane of drive `d` still takes work.
+    pub(crate) fn drive_open(&self, d: usize) -> bool {
+        self.queues[self.lanes[d].clone()].iter().any(|q| !q.is_closed())
+    }
+
+    /// The lane of drive `d` the next chunk goes to: round robin over the
+    /// lanes still open (lane 0 when every one is closed: a push there is
+    /// refused with its reason).
+    pub(crate) fn pick_lane(&self, d: usize) -> usize {
+        let r = self.lanes[d].clone();
+        let n = r.len();
+        if n == 1 {
+            return r.start;
+        }
+        let k = self.next_lane[d].fetch_add(1, Ordering::Relaxed);
+        (0..n)
+            .map(|i| r.start + (k + i) % n)
+            .find(|&l| !self.queues[l].is_closed())
+            .unwrap_or(r.start)
+    }
+
+    /// Why drive `d` takes no more work: `None` while any lane is open.
+    pub(crate) fn drive_stopped(&self, d: usize) -> Option<String> {
+        let lanes = &self.queues[self.lanes[d].clone()];
+        let closed: Vec<String> = lanes.iter().filter_map(|q| q.closed_reason()).collect();
+        match closed.len() {
+            0 => None,
+            n if n == lanes.len() => closed.into_iter().next(),
+            n => Some(format!("{n} of {} rings stopped: {}", lanes.len(), closed[0])),
+        }
+    }
+
+    /// Closes lane `lane` for good (its thread is gone or going) and, when
+    /// it was the drive's last open lane, the drive's credits (producers
+    /// waiting for one are woken and refused). Returns what was queued on
+    /// the lane, for the caller to fail over or fail.
+    pub(crate) fn close_lane(&self, lane: usize, why: &str) -> (Vec<Job>, Vec<Control>) {
+        let q = &self.queues[lane];
+        let queued = q.close(why);
+        if !self.drive_open(q.drive) {
+            q.credits.close();
+        }
+        queued
+    }
 }
 
 /// Control work that must run on the ring's own thread (a single-issuer
@@ -149,15 +206,19 @@ pub(crate) struct Jobs {
     pub closed: Option<String>,
 }
 
-/// A drive's queue.
+/// One lane of a drive: the queue of one ring thread (or of a drive's pread
+/// workers).
 pub(crate) struct DriveQueue {
+    /// The drive this lane belongs to.
+    pub drive: usize,
     pub jobs: Mutex<Jobs>,
     /// Pread workers sleep here.
     pub ready: Condvar,
     /// The ring's wake-up (it keeps a read armed on it, or blocks reading
     /// it when the ring polls).
     pub eventfd: Option<OwnedFd>,
-    pub credits: Credits,
+    /// The drive's credits, shared by its lanes.
+    pub credits: std::sync::Arc<Credits>,
     /// Chunks a pread worker is reading right now.
     pub active: std::sync::atomic::AtomicUsize,
     /// Mirrors `jobs.closed.is_some()` for lock-free checks when routing.
@@ -175,17 +236,18 @@ pub(crate) struct DriveQueue {
 }
 
 impl DriveQueue {
-    pub(crate) fn new(depth: usize, eventfd: Option<OwnedFd>) -> Self {
+    pub(crate) fn new(drive: usize, credits: std::sync::Arc<Credits>, eventfd: Option<OwnedFd>) -> Self {
         DriveQueue {
+            drive,
             jobs: Mutex::new(Jobs {
-                reads: VecDeque::with_capacity(depth),
+                reads: VecDeque::new(),
                 control: VecDeque::new(),
                 shutdown: false,
                 closed: None,
             }),
             ready: Condvar::new(),
             eventfd,
-            credits: Credits::new(depth),
+            credits,
             active: std::sync::atomic::AtomicUsize::new(0),
             closed: AtomicBool::new(false),
             enter_fault: AtomicI32::new(0),
@@ -250,10 +312,10 @@ impl DriveQueue {
         lock(&self.jobs).closed.clone()
     }
 
-    /// Closes the drive for good (its threads are gone or going): later
-    /// pushes are refused, producers waiting for credits are woken and
-    /// refused. Returns what was queued, for the caller to fail over or fail.
-    pub(crate) fn close(&self, why: &str) -> (Vec<Job>, Vec<Control>) {
+    /// Closes the lane for good: later pushes are refused. Returns what was
+    /// queued. (Use [`Io::close_lane`], which also closes the drive's
+    /// credits with its last lane.)
+    fn close(&self, why: &str) -> (Vec<Job>, Vec<Control>) {
         let (reads, controls) = {
             let mut j = lock(&self.jobs);
             if j.closed.is_none() {
@@ -265,7 +327,6 @@ impl DriveQueue {
                 std::mem::take(&mut j.control).into_iter().collect(),
             )
         };
-        self.credits.close();
         self.ready.notify_all();
         (reads, controls)
     }
@@ -273,13 +334,11 @@ impl DriveQueue {
 
 /// Fails over (or fails) jobs taken from a closed drive's queue: none of
 /// them reached the kernel. Control requests waiting for a reply get one.
-pub(crate) fn fail_queued(io: &Io, drive_index: usize, why: &str, queued: (Vec<Job>, Vec<Control>)) {
+pub(crate) fn fail_queued(io: &Io, lane: usize, why: &str, queued: (Vec<Job>, Vec<Control>)) {
     let (reads, controls) = queued;
     for job in reads {
-        if let Some(again) = fail_copy(job, why.to_string(), io, drive_index) {
-            // A copy on this same (closed) drive cannot be chosen, so this
-            // does not happen; fail it rather than lose it.
-            again.done(Some(stopped(io, drive_index, why)));
+        if let Some(again) = fail_copy(job, why.to_string(), io, lane) {
+            requeue(io, again, why);
         }
     }
     for c in controls {
@@ -292,6 +351,17 @@ pub(crate) fn fail_queued(io: &Io, drive_index: usize, why: &str, queued: (Vec<J
 /// The text a closed drive answers a registration with (the engine skips
 /// such a drive instead of refusing the arena everywhere).
 pub(crate) const DRIVE_CLOSED: &str = "the drive's I/O thread is gone";
+
+/// A job that `fail_copy` kept on its drive, from a lane that cannot take it
+/// (closed): another open lane of the drive takes it, or it fails.
+pub(crate) fn requeue(io: &Io, job: Job, why: &str) {
+    let drive = io.model.files()[job.chunk.file as usize].drive;
+    let to = io.pick_lane(drive);
+    match io.queues[to].push(job) {
+        Ok(()) => io.queues[to].notify(),
+        Err(back) => back.done(Some(stopped(io, drive, why))),
+    }
+}
 
 fn stopped(io: &Io, drive_index: usize, why: &str) -> Error {
     Error::DriveStopped {
@@ -307,7 +377,7 @@ fn stopped(io: &Io, drive_index: usize, why: &str) -> Error {
 /// it to the next copy of its shard when this copy failed (failover, counted
 /// per drive and warned once per copy). The request fails only when every
 /// copy has failed, with each copy and its cause in the error.
-pub(crate) fn settle(mut job: Job, res: i32, io: &Io, drive_index: usize) -> Option<Job> {
+pub(crate) fn settle(mut job: Job, res: i32, io: &Io, lane: usize) -> Option<Job> {
     use crate::chunk::{on_result, payload_bytes, Next};
     use crate::stats::DriveCounters;
 
@@ -315,6 +385,7 @@ pub(crate) fn settle(mut job: Job, res: i32, io: &Io, drive_index: usize) -> Opt
     const MAX_RETRIES: u8 = 64;
 
     let model = &io.model;
+    let drive_index = io.queues[lane].drive;
     let file = &model.files()[job.chunk.file as usize];
     let drive = &model.drives()[file.drive];
     let c = &drive.counters;
@@ -344,7 +415,7 @@ pub(crate) fn settle(mut job: Job, res: i32, io: &Io, drive_index: usize) -> Opt
         Next::Done => {
             count(&job.chunk);
             DriveCounters::add(&c.chunks, 1);
-            return finish(job, &io.queues[drive_index], None);
+            return finish(job, &io.queues[lane], None);
         }
         Next::Again(next) => {
             if next == job.chunk {
@@ -384,7 +455,7 @@ pub(crate) fn settle(mut job: Job, res: i32, io: &Io, drive_index: usize) -> Opt
     // A file changed after open (truncated, replaced) says so (one fstat and
     // one stat, only on this failure path; warned once per file).
     let failure = file.explain_failure(failure);
-    fail_copy(job, failure, io, drive_index)
+    fail_copy(job, failure, io, lane)
 }
 
 /// This copy failed for `job` (`why`): the chunk moves to the next copy of
@@ -393,9 +464,10 @@ pub(crate) fn settle(mut job: Job, res: i32, io: &Io, drive_index: usize) -> Opt
 /// once per copy), or, when none is left, the request fails with every copy
 /// and its cause. After `Engine::shutdown` cancelled the reads, a failure is
 /// final. Returns the job when it is to be issued again on this drive.
-pub(crate) fn fail_copy(mut job: Job, why: String, io: &Io, drive_index: usize) -> Option<Job> {
+pub(crate) fn fail_copy(mut job: Job, why: String, io: &Io, lane: usize) -> Option<Job> {
     use crate::stats::DriveCounters;
     let model = &io.model;
+    let drive_index = io.queues[lane].drive;
     let file = &model.files()[job.chunk.file as usize];
     let drive = &model.drives()[file.drive];
     io.loads[drive_index].done(job.chunk.len as u64, false);
@@ -413,10 +485,9 @@ pub(crate) fn fail_copy(mut job: Job, why: String, io: &Io, drive_index: usize) 
         if job.tried & (1 << to.rank.min(31)) != 0 {
             continue;
         }
-        let target = &io.queues[to.drive];
-        if target.is_closed() {
+        if !io.drive_open(to.drive) {
             job.tried |= 1 << to.rank.min(31);
-            let reason = target.closed_reason().unwrap_or_default();
+            let reason = io.drive_stopped(to.drive).unwrap_or_default();
             job.failures.push((
                 next as u32,
                 format!("drive {} is not running: {reason}", model.drives()[to.drive].device),
@@ -441,13 +512,14 @@ pub(crate) fn fail_copy(mut job: Job, why: String, io: &Io, drive_index: usize) 
             return Some(job);
         }
         // Another drive: the job takes its credit with it.
+        let target = &io.queues[io.pick_lane(to.drive)];
         let len = job.chunk.len as u64;
         target.credits.force_acquire();
         io.loads[to.drive].add(len);
         match target.push(job) {
             Ok(()) => {
                 target.notify();
-                io.queues[drive_index].credits.release(1);
+                io.queues[lane].credits.release(1);
                 return None;
             }
             Err(back) => {
@@ -483,7 +555,7 @@ pub(crate) fn fail_copy(mut job: Job, why: String, io: &Io, drive_index: usize) 
         copies: copies.len(),
         causes,
     };
-    finish(job, &io.queues[drive_index], Some(err))
+    finish(job, &io.queues[lane], Some(err))
 }
 /// Whether `job`'s chunk may go O_DIRECT on copy `f`: it has an O_DIRECT
 /// descriptor and the chunk's offset, length and memory meet its alignment.

@@ -157,6 +157,9 @@ pub struct DriveStats {
     /// (punted to io-wq workers); io_uring engines only.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub submit: Option<&'static str>,
+    /// Ring threads issuing the drive's reads (io_uring engines).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rings: Option<u32>,
     /// Why (the probe's figures, or the configuration).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub submit_reason: Option<String>,
