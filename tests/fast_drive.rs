@@ -56,7 +56,9 @@ fn a_drive_that_completes_inline_gets_a_ring_per_cpu_and_the_same_bytes() {
     if !common::uring_available() {
         return;
     }
-    let Some(sim) = SimDrives::up(1, "zram", "0") else { return };
+    let Some(sim) = SimDrives::up(1, "zram", "0") else {
+        return;
+    };
     let dir = sim.mounts[0].join("model");
     let s = spec();
     common::synth_model(&dir, &s);
@@ -104,7 +106,9 @@ fn a_drive_with_several_rings_survives_one_of_them() {
     if !common::uring_available() {
         return;
     }
-    let Some(sim) = SimDrives::up(1, "zram", "0") else { return };
+    let Some(sim) = SimDrives::up(1, "zram", "0") else {
+        return;
+    };
     let dir = sim.mounts[0].join("model");
     let s = spec();
     common::synth_model(&dir, &s);
@@ -137,7 +141,9 @@ fn a_drive_that_completes_asynchronously_keeps_one_ring() {
     if !common::uring_available() {
         return;
     }
-    let Some(sim) = SimDrives::up(1, "memloop", "0") else { return };
+    let Some(sim) = SimDrives::up(1, "memloop", "0") else {
+        return;
+    };
     let dir = sim.mounts[0].join("model");
     let s = spec();
     common::synth_model(&dir, &s);
@@ -146,7 +152,10 @@ fn a_drive_that_completes_asynchronously_keeps_one_ring() {
     let engine = Engine::new(&model, EngineConfig::default()).unwrap();
     let d = &engine.stats().drives[0];
     assert_eq!((d.rings, d.submit), (Some(1), Some("inline")), "{d:?}");
-    assert!(d.submit_reason.as_deref().unwrap_or("").contains("asynchronously"), "{d:?}");
+    assert!(
+        d.submit_reason.as_deref().unwrap_or("").contains("asynchronously"),
+        "{d:?}"
+    );
     read_all(&engine, &model, s.seed);
     drop(engine);
     drop(model);
