@@ -177,9 +177,27 @@ struct Region {
     /// `madvise(MADV_DONTFORK)` succeeded: a forked child does not get these
     /// pages. Always false under Miri (no mapping, no fork).
     dontfork: bool,
+    /// `madvise(MADV_HUGEPAGE)` succeeded on a 2 MiB-aligned region: the
+    /// kernel backs it with transparent huge pages where it can.
+    huge: bool,
     /// What the memory was allocated with (Miri only).
     #[cfg(miri)]
     layout: std::alloc::Layout,
+}
+
+/// A transparent huge page (x86-64, arm64 with 4 KiB base pages).
+#[cfg(not(miri))]
+const HUGE_PAGE: usize = 2 << 20;
+
+static HUGEPAGE_REFUSALS: AtomicU64 = AtomicU64::new(0);
+static HUGEPAGE_WARNED: AtomicBool = AtomicBool::new(false);
+
+/// Arena mappings of at least 2 MiB whose `madvise(MADV_HUGEPAGE)` the
+/// kernel refused (they use 4 KiB pages; warned once). A kernel with
+/// transparent huge pages `never` accepts the advice and ignores it: see
+/// [`Arena::huge_page_bytes`] for what an arena really got.
+pub fn hugepage_refusals() -> u64 {
+    HUGEPAGE_REFUSALS.load(Ordering::Relaxed)
 }
 
 /// Mappings whose `madvise(MADV_DONTFORK)` failed, in this process.
@@ -195,31 +213,61 @@ pub fn dontfork_failures() -> u64 {
 
 impl Region {
     /// `len` bytes (> 0, <= `isize::MAX`), readable and writable, starting
-    /// on a page boundary. `populate` faults every page in now.
+    /// on a page boundary (on a 2 MiB boundary, advised for transparent huge
+    /// pages, when `len` is at least 2 MiB). `populate` faults every page in
+    /// now.
+    ///
+    /// Huge pages matter for I/O: a read into physically contiguous memory
+    /// is one segment per 2 MiB instead of one per 4 KiB page, and a device
+    /// caps the segments of a request (virtio-blk: 254, so a 1 MiB read into
+    /// 4 KiB pages is split in two); registering them pins fewer pages.
     #[cfg(not(miri))]
     fn new(len: usize, populate: bool) -> Result<Region> {
         use rustix::mm::{Advice, MapFlags, ProtFlags};
-        let flags = if populate {
-            MapFlags::PRIVATE | MapFlags::POPULATE
-        } else {
-            MapFlags::PRIVATE
-        };
+        let huge = len >= HUGE_PAGE;
+        // Room to align the start to a huge page, trimmed off below.
+        let map_len = if huge { len.checked_add(HUGE_PAGE) } else { Some(len) }
+            .filter(|&l| l <= isize::MAX as usize)
+            .ok_or_else(|| Error::Config(format!("an arena of {len} bytes exceeds isize::MAX")))?;
         // SAFETY: a fresh anonymous private mapping at an address of the
         // kernel's choosing aliases no existing memory.
-        let ptr =
-            unsafe { rustix::mm::mmap_anonymous(std::ptr::null_mut(), len, ProtFlags::READ | ProtFlags::WRITE, flags) }
-                .map_err(|e| Error::io("<anonymous arena>", "mmap", e))?;
-        let Some(ptr) = NonNull::new(ptr.cast::<u8>()) else {
+        let raw = unsafe {
+            rustix::mm::mmap_anonymous(
+                std::ptr::null_mut(),
+                map_len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::PRIVATE,
+            )
+        }
+        .map_err(|e| Error::io("<anonymous arena>", "mmap", e))?;
+        let base = raw as usize;
+        let start = if huge { base.next_multiple_of(HUGE_PAGE) } else { base };
+        if huge {
+            let (head, tail) = (start - base, map_len - len - (start - base));
+            // SAFETY: both ranges are the unused ends of the mapping just
+            // made (before `start`, after `start + len`); nothing refers to
+            // them. Unmapping them leaves exactly `start..start + len`.
+            unsafe {
+                if head > 0 {
+                    let _ = rustix::mm::munmap(raw, head);
+                }
+                if tail > 0 {
+                    let _ = rustix::mm::munmap((start + len) as *mut std::ffi::c_void, tail);
+                }
+            }
+        }
+        let Some(ptr) = NonNull::new(start as *mut u8) else {
             return Err(Error::Config(format!("mmap of {len} bytes returned a null address")));
         };
         let mut region = Region {
             ptr,
             len,
             dontfork: false,
+            huge: false,
         };
-        // SAFETY: `ptr..ptr+len` is exactly the mapping just made and owned
-        // by `region`; MADV_DONTFORK changes only whether fork() copies it,
-        // never its contents or its address.
+        // SAFETY: `ptr..ptr+len` is exactly the mapping owned by `region`;
+        // MADV_DONTFORK changes only whether fork() copies it, never its
+        // contents or its address.
         match unsafe { rustix::mm::madvise(ptr.as_ptr().cast(), len, Advice::LinuxDontFork) } {
             Ok(()) => region.dontfork = true,
             Err(e) => {
@@ -232,7 +280,36 @@ impl Region {
                 }
             }
         }
+        if huge {
+            // SAFETY: as above; MADV_HUGEPAGE changes only how the kernel
+            // backs the (still untouched) pages.
+            match unsafe { rustix::mm::madvise(ptr.as_ptr().cast(), len, Advice::LinuxHugepage) } {
+                Ok(()) => region.huge = true,
+                Err(e) => {
+                    HUGEPAGE_REFUSALS.fetch_add(1, Ordering::Relaxed);
+                    if !HUGEPAGE_WARNED.swap(true, Ordering::Relaxed) {
+                        tracing::warn!(
+                            "madvise(MADV_HUGEPAGE) on an arena of {len} bytes failed: {e}; it uses 4 KiB pages \
+                             (more segments per read; said once; counted in weightstream::arena::hugepage_refusals)"
+                        );
+                    }
+                }
+            }
+        }
+        if populate {
+            region.touch();
+        }
         Ok(region)
+    }
+
+    /// Faults every page in (after any advice or NUMA policy is set, so
+    /// each page is allocated under it).
+    fn touch(&self) {
+        for off in (0..self.len).step_by(page_size()) {
+            // SAFETY: `off < len`, inside the mapping; no slot exists yet, so
+            // this write aliases nothing. Volatile so the first touch happens.
+            unsafe { std::ptr::write_volatile(self.ptr.as_ptr().add(off), 0) };
+        }
     }
 
     /// Miri cannot model mmap or madvise: the same geometry from the global
@@ -250,6 +327,7 @@ impl Region {
             ptr,
             len,
             dontfork: false,
+            huge: false,
             layout,
         })
     }
@@ -345,12 +423,7 @@ impl Arena {
         // An untouched anonymous page reads as zeros.
         let area = unsafe { std::slice::from_raw_parts(ptr.as_ptr(), len) };
         bind(area).map_err(|e| Error::Config(format!("binding an arena of {len} bytes to NUMA node {node}: {e}")))?;
-        let page = page_size();
-        for off in (0..len).step_by(page) {
-            // SAFETY: `off < len`, inside the mapping; no slot exists yet, so
-            // this write aliases nothing. Volatile so the first touch happens.
-            unsafe { std::ptr::write_volatile(ptr.as_ptr().add(off), 0) };
-        }
+        arena.map.region.touch();
         Ok(arena)
     }
 
@@ -428,6 +501,38 @@ impl Arena {
     /// refused the advice (warned once), and always under Miri.
     pub fn fork_protected(&self) -> bool {
         self.map.region.dontfork
+    }
+
+    /// Whether the kernel accepted `MADV_HUGEPAGE` for this arena (a mapping
+    /// of at least 2 MiB, aligned to 2 MiB).
+    pub fn huge_pages_advised(&self) -> bool {
+        self.map.region.huge
+    }
+
+    /// Bytes of this arena backed by transparent huge pages right now
+    /// (`AnonHugePages` of its range in `/proc/self/smaps`; `None` when that
+    /// cannot be read). Not for hot paths: it reads and parses smaps.
+    pub fn huge_page_bytes(&self) -> Option<u64> {
+        let start = self.map.region.ptr.as_ptr() as usize;
+        let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+        let mut inside = false;
+        let mut total = 0u64;
+        for line in smaps.lines() {
+            if let Some((range, _)) = line.split_once(' ') {
+                if let Some((a, b)) = range.split_once('-') {
+                    if let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16)) {
+                        inside = a < start + self.map.region.len && b > start;
+                        continue;
+                    }
+                }
+            }
+            if inside {
+                if let Some(kb) = line.strip_prefix("AnonHugePages:") {
+                    total += kb.trim().trim_end_matches("kB").trim().parse::<u64>().ok()? * 1024;
+                }
+            }
+        }
+        Some(total)
     }
 
     /// Bytes of one slot.
@@ -700,6 +805,33 @@ mod tests {
         let again = a.take().unwrap();
         assert_eq!(again.index(), idx);
         assert_eq!(again.as_bytes()[0], idx as u8);
+    }
+
+    /// Arenas of 2 MiB or more start on a huge page and are advised for
+    /// transparent huge pages before they are populated.
+    #[cfg(not(miri))]
+    #[test]
+    fn large_arenas_are_huge_page_aligned_and_backed_where_the_kernel_allows() {
+        let a = Arena::new(SlotSpec::new(3 << 20), 3).unwrap();
+        let (base, len) = a.region();
+        assert_eq!(base as usize % (2 << 20), 0, "not 2 MiB aligned");
+        assert!(len >= 9 << 20);
+        assert!(a.huge_pages_advised());
+        let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
+        if thp.contains("[always]") || thp.contains("[madvise]") {
+            // Populated after the advice: at least one huge page (the
+            // kernel may fall back to small pages under fragmentation, so
+            // not all of them).
+            let huge = a.huge_page_bytes().expect("smaps");
+            assert!(
+                huge >= 2 << 20,
+                "no huge page backs the arena ({huge} bytes; THP: {thp})"
+            );
+        }
+        // Small arenas stay on small pages, page-aligned.
+        let small = Arena::new(SlotSpec::new(10_000), 2).unwrap();
+        assert!(!small.huge_pages_advised());
+        assert_eq!(small.region().0 as usize % page_size(), 0);
     }
 
     /// Every arena mapping carries VM_DONTCOPY (`dc` in /proc/self/smaps):
