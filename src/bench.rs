@@ -783,3 +783,74 @@ fn thread_reads(
     }
     Ok(Timed::new(bytes, seconds, cpu_s, latencies))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_arm_beyond_the_ceilings_spread_is_named_with_the_figures() {
+        // Ceiling 3.4 (3.3-3.5 over the runs); fio 7.5: the ceiling is not one.
+        let w = ceiling_warnings(3.4, 3.3, 3.5, 3, &[("fio", 7.5), ("engine", 3.45), ("pread", 3.0)]);
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(
+            w[0].contains("arm fio") && w[0].contains("7.500") && w[0].contains("3.400"),
+            "{w:?}"
+        );
+        assert!(w[0].contains("3.300-3.500") && w[0].contains("3 run(s)"), "{w:?}");
+        assert!(w[0].contains("the ceiling is not a ceiling"), "{w:?}");
+    }
+
+    #[test]
+    fn the_margin_is_the_spread_or_five_percent_whichever_is_larger() {
+        // Spread 0 (one run): 5% of 2.0 = 0.1 is the margin.
+        assert!(ceiling_warnings(2.0, 2.0, 2.0, 1, &[("engine", 2.09)]).is_empty());
+        assert_eq!(ceiling_warnings(2.0, 2.0, 2.0, 1, &[("engine", 2.11)]).len(), 1);
+        // A wide spread (1.5-2.5) is the margin: 2.9 is inside it.
+        assert!(ceiling_warnings(2.0, 1.5, 2.5, 3, &[("engine", 2.9)]).is_empty());
+        assert_eq!(ceiling_warnings(2.0, 1.5, 2.5, 3, &[("engine", 3.1)]).len(), 1);
+        // Below the ceiling: never.
+        assert!(ceiling_warnings(2.0, 1.9, 2.1, 3, &[("engine", 1.0)]).is_empty());
+    }
+
+    #[test]
+    fn non_finite_and_empty_figures_do_not_warn_but_a_zero_ceiling_does() {
+        assert!(ceiling_warnings(2.0, 2.0, 2.0, 1, &[("engine", f64::NAN), ("mmap", f64::INFINITY)]).is_empty());
+        assert!(ceiling_warnings(f64::NAN, 0.0, 0.0, 1, &[("engine", 1.0)]).is_empty());
+        assert!(ceiling_warnings(2.0, f64::INFINITY, 0.0, 1, &[("engine", 2.05)]).is_empty());
+        assert_eq!(
+            ceiling_warnings(0.0, 0.0, 0.0, 1, &[("engine", 1.0), ("pread", 0.0)]).len(),
+            1
+        );
+        assert!(ceiling_warnings(2.0, 2.0, 2.0, 1, &[]).is_empty());
+    }
+
+    fn run_at(gbps: f64, config: &str) -> RunResult {
+        RunResult {
+            bytes: 1,
+            seconds: 1.0,
+            gbps,
+            cpu_s: 0.0,
+            cpu_s_per_gb: 0.0,
+            p50_ms: None,
+            p99_ms: None,
+            cache_growth_bytes: 0,
+            cold: None,
+            timeline: None,
+            timeline_start_unix: None,
+            drives: None,
+            config: Some(config.into()),
+            ceiling: None,
+            fio: None,
+        }
+    }
+
+    #[test]
+    fn the_reported_configuration_is_the_median_runs() {
+        let runs = vec![run_at(3.0, "a"), run_at(9.0, "b"), run_at(5.0, "c")];
+        assert_eq!(median_run(&runs).unwrap().config.as_deref(), Some("c"));
+        assert!(median_run(&[]).is_none());
+        let runs = vec![run_at(3.0, "a"), run_at(9.0, "b")];
+        assert_eq!(median_run(&runs).unwrap().config.as_deref(), Some("b"));
+    }
+}
