@@ -38,7 +38,7 @@ use std::fs::File;
 use std::mem::ManuallyDrop;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::sync::Barrier;
+use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use io_uring::{opcode, squeue, types, IoUring};
@@ -182,17 +182,19 @@ impl std::fmt::Display for ReadConfig {
     }
 }
 
-/// `4MiB`, `64KiB`, `1000B`.
+/// `4MiB`, `64KiB`, `1000B`; sizes that are not whole units with one
+/// decimal (`17.3GiB`).
 pub fn size_label(b: u64) -> String {
-    if b >= 1 << 30 && b.is_multiple_of(1 << 30) {
-        format!("{}GiB", b >> 30)
-    } else if b >= 1 << 20 && b.is_multiple_of(1 << 20) {
-        format!("{}MiB", b >> 20)
-    } else if b >= 1 << 10 && b.is_multiple_of(1 << 10) {
-        format!("{}KiB", b >> 10)
-    } else {
-        format!("{b}B")
+    for (shift, unit) in [(30, "GiB"), (20, "MiB"), (10, "KiB")] {
+        if b >= 1 << shift {
+            return if b.is_multiple_of(1 << shift) {
+                format!("{}{unit}", b >> shift)
+            } else {
+                format!("{:.1}{unit}", b as f64 / (1u64 << shift) as f64)
+            };
+        }
     }
+    format!("{b}B")
 }
 
 /// One configuration measured over given files ([`measure`]; also the
@@ -847,30 +849,89 @@ struct RunOutcome {
     cpu_s: f64,
 }
 
-/// Waits at a barrier exactly once: at `pass`, or when dropped (a panic
-/// unwinding through a reader still lets the others and the coordinator
-/// through).
-struct Gate<'a> {
-    barrier: &'a Barrier,
+/// `MemAvailable` from /proc/meminfo, bytes.
+fn mem_available() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let l = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    Some(l.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024)
+}
+
+/// Where readers meet the coordinator: each reader arrives and waits until
+/// the coordinator, having seen every reader that was started arrive, opens
+/// it. Unlike a `Barrier`, the count is known only once the threads are
+/// started (a thread that fails to start is not waited for).
+struct Rendezvous {
+    state: Mutex<(usize, bool)>,
+    cv: Condvar,
+}
+
+impl Rendezvous {
+    fn new() -> Self {
+        Rendezvous {
+            state: Mutex::new((0, false)),
+            cv: Condvar::new(),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, (usize, bool)> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn arrive_and_wait(&self) {
+        let mut g = self.lock();
+        g.0 += 1;
+        self.cv.notify_all();
+        while !g.1 {
+            g = self.cv.wait(g).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    fn wait_for(&self, n: usize) {
+        let mut g = self.lock();
+        while g.0 < n {
+            g = self.cv.wait(g).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    fn open(&self) {
+        self.lock().1 = true;
+        self.cv.notify_all();
+    }
+}
+
+/// A reader's arrival at a [`Rendezvous`], exactly once: at `pass`, or when
+/// dropped (a panic unwinding through a reader still arrives).
+struct Arrival<'a> {
+    at: &'a Rendezvous,
     passed: bool,
 }
 
-impl<'a> Gate<'a> {
-    fn new(barrier: &'a Barrier) -> Self {
-        Gate { barrier, passed: false }
+impl<'a> Arrival<'a> {
+    fn new(at: &'a Rendezvous) -> Self {
+        Arrival { at, passed: false }
     }
 
     fn pass(&mut self) {
         if !self.passed {
             self.passed = true;
-            self.barrier.wait();
+            self.at.arrive_and_wait();
         }
     }
 }
 
-impl Drop for Gate<'_> {
+impl Drop for Arrival<'_> {
     fn drop(&mut self) {
         self.pass();
+    }
+}
+
+/// Opens a [`Rendezvous`] when dropped: whatever happens to the
+/// coordinator, no reader waits forever.
+struct Opener<'a>(&'a Rendezvous);
+
+impl Drop for Opener<'_> {
+    fn drop(&mut self) {
+        self.0.open();
     }
 }
 
@@ -879,13 +940,38 @@ impl Drop for Gate<'_> {
 /// between the start and the moment the last reader has its last
 /// completion (set-up and tear-down excluded).
 fn run_jobs(jobs: &[Job], bound: Bound) -> RunOutcome {
+    // Buffers are faulted in up front (and pinned when registered): refuse
+    // to take more than half of the memory available rather than push the
+    // machine into reclaim or the OOM killer.
+    let window: u64 = jobs.iter().map(|j| j.config.window()).sum();
+    if let Some(avail) = mem_available() {
+        if window > avail / 2 {
+            return RunOutcome {
+                jobs: jobs
+                    .iter()
+                    .map(|j| JobOutcome {
+                        bytes: 0,
+                        seconds: 0.0,
+                        error: Some(Error::Config(format!(
+                            "drive {}: {} of buffers (bs x qd x readers) is more than half of the {} available (MemAvailable)",
+                            j.drive.device,
+                            size_label(window),
+                            size_label(avail)
+                        ))),
+                    })
+                    .collect(),
+                seconds: 0.0,
+                cpu_s: 0.0,
+            };
+        }
+    }
     let plans: Vec<Plan> = jobs.iter().map(|j| Plan::new(j.drive, j.config.bs)).collect();
-    let readers: usize = jobs.iter().map(|j| j.config.readers).sum();
-    let (start, done) = (Barrier::new(readers + 1), Barrier::new(readers + 1));
+    let (start, done) = (Rendezvous::new(), Rendezvous::new());
     let mut cpu_s = 0.0;
     let mut seconds = 0.0;
     let mut t0 = Instant::now();
-    let results: Vec<Vec<std::thread::Result<ReaderOutcome>>> = std::thread::scope(|s| {
+    let results: Vec<Vec<std::result::Result<ReaderOutcome, String>>> = std::thread::scope(|s| {
+        let (open_start, open_done) = (Opener(&start), Opener(&done));
         let handles: Vec<Vec<_>> = jobs
             .iter()
             .zip(&plans)
@@ -911,9 +997,9 @@ fn run_jobs(jobs: &[Job], bound: Bound) -> RunOutcome {
                         };
                         let budget = bound.bytes.map(|b| b.div_ceil(r as u64));
                         let deadline = bound.seconds.map(Duration::from_secs_f64);
-                        s.spawn(move || {
-                            let mut g_start = Gate::new(start);
-                            let mut g_done = Gate::new(done);
+                        std::thread::Builder::new().spawn_scoped(s, move || {
+                            let mut g_start = Arrival::new(start);
+                            let mut g_done = Arrival::new(done);
                             let reader = Reader::new(job.drive, job.config);
                             g_start.pass();
                             let t = Instant::now();
@@ -936,17 +1022,25 @@ fn run_jobs(jobs: &[Job], bound: Bound) -> RunOutcome {
                     .collect()
             })
             .collect();
-        let mut g_start = Gate::new(&start);
-        let mut g_done = Gate::new(&done);
-        g_start.pass();
+        let started = handles.iter().flatten().filter(|h| h.is_ok()).count();
+        start.wait_for(started);
         let cpu0 = process_cpu_seconds();
         t0 = Instant::now();
-        g_done.pass();
+        drop(open_start);
+        done.wait_for(started);
         seconds = t0.elapsed().as_secs_f64();
         cpu_s = process_cpu_seconds() - cpu0;
+        drop(open_done);
         handles
             .into_iter()
-            .map(|hs| hs.into_iter().map(|h| h.join()).collect())
+            .map(|hs| {
+                hs.into_iter()
+                    .map(|h| match h {
+                        Ok(h) => h.join().map_err(|_| "panicked".to_string()),
+                        Err(e) => Err(format!("could not be started: {e}")),
+                    })
+                    .collect()
+            })
             .collect()
     });
     let jobs = jobs
@@ -967,9 +1061,9 @@ fn run_jobs(jobs: &[Job], bound: Bound) -> RunOutcome {
                             o.error.get_or_insert(e);
                         }
                     }
-                    Err(_) => {
+                    Err(why) => {
                         o.error.get_or_insert(Error::Config(format!(
-                            "ceiling: a reader of drive {} panicked",
+                            "ceiling: a reader thread of drive {} {why}",
                             job.drive.device
                         )));
                     }
@@ -1531,6 +1625,7 @@ mod tests {
         assert!(Submit::parse("sqpoll").is_err());
         assert_eq!(size_label(4096), "4KiB");
         assert_eq!(size_label(1000), "1000B");
+        assert_eq!(size_label(3 << 29), "1.5GiB");
     }
 
     /// getrusage(RUSAGE_SELF) counts io_uring's io-wq workers: reads with
