@@ -262,6 +262,14 @@ pub fn run(model: &Model, cfg: &BenchConfig, progress: Progress) -> Result<Bench
             }
         }
     }
+    if arms.contains(&Arm::Fio) && cfg.ceiling.huge_pages {
+        notes.push(
+            "the ceiling reads into huge pages (MADV_HUGEPAGE), fio into its default buffers (4 KiB pages): where the \
+             device caps a request's segments (virtio) the ceiling can beat fio for that alone; --small-pages compares \
+             like with like"
+                .into(),
+        );
+    }
     let once = decode_order(model, &cfg.filter, cfg.seed);
     let order: Vec<&TensorRef> = (0..cfg.passes.max(1)).flat_map(|_| once.iter().copied()).collect();
     if order.is_empty() {

@@ -105,6 +105,9 @@ enum Cmd {
         /// Time cap per configuration, seconds.
         #[arg(long)]
         seconds: Option<f64>,
+        /// Read into 4 KiB pages (as fio's default buffers) instead of huge pages (MADV_HUGEPAGE).
+        #[arg(long)]
+        small_pages: bool,
         #[arg(long)]
         json: bool,
     },
@@ -138,6 +141,9 @@ enum Cmd {
         /// The ceiling's and fio's sweep each run: quick (8 configurations) or full (32).
         #[arg(long, default_value = "quick")]
         sweep: String,
+        /// The ceiling reads into 4 KiB pages (as fio's default buffers) instead of huge pages.
+        #[arg(long)]
+        small_pages: bool,
         #[arg(long, default_value_t = 3)]
         runs: usize,
         /// Reads in flight (1 = one expert at a time, decode-like).
@@ -378,9 +384,12 @@ fn main() -> ExitCode {
             buffers,
             bytes,
             seconds,
+            small_pages,
             json,
-        } => sweep_config(quick, &bs, &qd, &readers, &submit, &buffers, bytes, seconds)
-            .and_then(|cfg| ceiling_cmd(paths, &cfg, json)),
+        } => sweep_config(quick, &bs, &qd, &readers, &submit, &buffers, bytes, seconds).and_then(|mut cfg| {
+            cfg.huge_pages = !small_pages;
+            ceiling_cmd(paths, &cfg, json)
+        }),
         Cmd::Gen {
             model_dir,
             size,
@@ -394,6 +403,7 @@ fn main() -> ExitCode {
             model_dir,
             arms,
             sweep,
+            small_pages,
             runs,
             concurrency,
             seed,
@@ -407,7 +417,7 @@ fn main() -> ExitCode {
         } => bench_cmd(
             model_dir,
             &arms,
-            &sweep,
+            (&sweep, small_pages),
             (runs, concurrency, seed, passes, timeline_ms),
             filter,
             &engine,
@@ -837,13 +847,14 @@ fn ceiling_cmd(paths: Vec<PathBuf>, cfg: &SweepConfig, json: bool) -> CliResult 
     };
     println!(
         "total ({together}): {:.3} GB in {:.2}s = {:.3} GB/s, CPU {:.3} s/GB (getrusage: io-wq workers included); \
-         {} sweep took {:.1}s",
+         {} sweep took {:.1}s; buffers on {}",
         r.bytes as f64 / 1e9,
         r.seconds,
         r.gbps,
         r.cpu_seconds / (r.bytes as f64 / 1e9).max(1e-12),
         r.sweep,
-        r.elapsed_s
+        r.elapsed_s,
+        r.pages
     );
     Ok(())
 }
@@ -885,7 +896,7 @@ fn gen(
 fn bench_cmd(
     dir: PathBuf,
     arms: &str,
-    sweep: &str,
+    (sweep, small_pages): (&str, bool),
     (runs, concurrency, seed, passes, timeline_ms): (usize, usize, u64, usize, Option<u64>),
     filter: String,
     eargs: &EngineArgs,
@@ -897,11 +908,12 @@ fn bench_cmd(
     let engine = eargs
         .config()?
         .ok_or("bench: --backend sync is not an arm; use --arms")?;
-    let ceiling = match sweep.trim().to_ascii_lowercase().as_str() {
+    let mut ceiling = match sweep.trim().to_ascii_lowercase().as_str() {
         "quick" => SweepConfig::quick(),
         "full" => SweepConfig::full(),
         other => return Err(format!("--sweep {other:?}: expected quick or full").into()),
     };
+    ceiling.huge_pages = !small_pages;
     let cfg = BenchConfig {
         arms: Arm::parse_list(arms)?,
         runs,
