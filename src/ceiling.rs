@@ -770,7 +770,15 @@ fn group(paths: &[PathBuf]) -> Result<Vec<Drive>> {
         d.files.push(p.clone());
         d.opened.push((f, size));
     }
-    Ok(drives.into_iter().map(|(_, d)| d).collect())
+    let drives: Vec<Drive> = drives.into_iter().map(|(_, d)| d).collect();
+    if let Some(d) = drives.iter().find(|d| d.opened.iter().all(|(_, size)| *size == 0)) {
+        return Err(Error::Config(format!(
+            "ceiling: drive {}: its files hold no byte to read ({})",
+            d.device,
+            d.files.iter().map(crate::layout::escape).collect::<Vec<_>>().join(", ")
+        )));
+    }
+    Ok(drives)
 }
 
 /// `paths` grouped by drive (`st_dev`): (device name, files), in order of

@@ -172,6 +172,12 @@ fn ceiling_refuses_bad_input_with_a_message_naming_it() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("no-such-file"), "{err}");
+    let empty = tmp.path().join("empty.safetensors");
+    std::fs::write(&empty, b"").unwrap();
+    let out = common::run(&[OsStr::new("ceiling"), OsStr::new("--quick"), empty.as_os_str()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "an empty file: {err}");
+    assert!(err.contains("no byte") && err.contains("empty.safetensors"), "{err}");
     let out = common::run(&[OsStr::new("ceiling"), OsStr::new("--quick"), tmp.path().as_os_str()]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "a directory: {err}");
