@@ -3,8 +3,10 @@
 //! state each as a ratio to the device ceiling measured in the same run.
 //!
 //! Arms:
-//! - `ceiling`: the ceiling reader (sequential O_DIRECT io_uring) on the
-//!   model's shard files: what the drives can do;
+//! - `ceiling`: weightstream's ceiling sweep ([`crate::ceiling::sweep`]) on
+//!   the model's shard files: what the drives can do;
+//! - `fio`: fio's sweep on the same files ([`fio`]), when fio is installed
+//!   (when not, the arm is dropped with a note in the report and a warning);
 //! - `engine`: weightstream with io_uring;
 //! - `pread`: weightstream's pread backend;
 //! - `buffered`: plain buffered `pread` into a heap buffer, then a copy into
@@ -12,9 +14,17 @@
 //! - `mmap`: map the shards, copy each tensor into the slot: what the
 //!   safetensors ecosystem does.
 //!
-//! Cold cache before every arm: O_DIRECT arms need none; buffered and mmap
-//! arms drop the files' pages first (`posix_fadvise(DONTNEED)`) and check by
-//! sampling with `RWF_NOWAIT` reads that the eviction took.
+//! Cold cache before every arm: O_DIRECT arms (ceiling, fio, engine, pread)
+//! need none; buffered and mmap arms drop the files' pages first
+//! (`posix_fadvise(DONTNEED)`) and check by sampling with `RWF_NOWAIT` reads
+//! that the eviction took.
+//!
+//! Every arm's median is a ratio to the ceiling's median (`ratio`) and, when
+//! the fio arm ran, to fio's (`ratio_fio`). An arm whose median beats the
+//! ceiling by more than the ceiling's own spread over the runs (or 5% of it,
+//! if larger) is named in `warnings`: the ceiling is not a ceiling.
+
+pub mod fio;
 
 use std::collections::VecDeque;
 use std::io::IoSliceMut;
@@ -27,7 +37,7 @@ use serde::Serialize;
 
 use crate::arena::{Arena, SlotSpec};
 use crate::catalog::TensorRef;
-use crate::ceiling::{self, process_cpu_seconds, CeilingConfig};
+use crate::ceiling::{self, process_cpu_seconds, CeilingReport, SweepConfig};
 use crate::engine::{BackendChoice, Engine, EngineConfig};
 use crate::error::{Error, Result};
 use crate::layout::RoutePolicy;
@@ -38,6 +48,8 @@ use crate::Model;
 #[serde(rename_all = "snake_case")]
 pub enum Arm {
     Ceiling,
+    /// fio's sweep on the same files.
+    Fio,
     /// The engine with the model's route policy.
     Engine,
     /// The engine with this route policy (to compare policies in one run).
@@ -51,6 +63,7 @@ impl Arm {
     pub fn name(self) -> &'static str {
         match self {
             Arm::Ceiling => "ceiling",
+            Arm::Fio => "fio",
             Arm::Engine => "engine",
             Arm::EngineRoute(RoutePolicy::Hash) => "engine-hash",
             Arm::EngineRoute(RoutePolicy::Stripe) => "engine-stripe",
@@ -68,6 +81,7 @@ impl Arm {
             .filter(|a| !a.is_empty())
             .map(|a| match a.to_ascii_lowercase().as_str() {
                 "ceiling" => Ok(Arm::Ceiling),
+                "fio" => Ok(Arm::Fio),
                 "engine" | "uring" => Ok(Arm::Engine),
                 "engine-hash" => Ok(Arm::EngineRoute(RoutePolicy::Hash)),
                 "engine-stripe" => Ok(Arm::EngineRoute(RoutePolicy::Stripe)),
@@ -76,7 +90,7 @@ impl Arm {
                 "buffered" => Ok(Arm::Buffered),
                 "mmap" => Ok(Arm::Mmap),
                 other => Err(Error::Config(format!(
-                    "arm {other:?}: expected ceiling, engine, engine-hash, engine-stripe, engine-adaptive, pread, buffered or mmap"
+                    "arm {other:?}: expected ceiling, fio, engine, engine-hash, engine-stripe, engine-adaptive, pread, buffered or mmap"
                 ))),
             })
             .collect()
@@ -94,7 +108,10 @@ pub struct BenchConfig {
     /// Tensors whose name contains this are read (default: experts).
     pub filter: String,
     pub engine: EngineConfig,
-    pub ceiling: CeilingConfig,
+    /// The ceiling arm's sweep (default: quick).
+    pub ceiling: SweepConfig,
+    /// The fio arm's sweep (default: like the ceiling's).
+    pub fio: fio::FioSweep,
     /// Read the whole order this many times per run (long runs for timelines).
     pub passes: usize,
     /// Sample per-drive bytes this often during engine arms (ms).
@@ -110,7 +127,8 @@ impl Default for BenchConfig {
             seed: 1,
             filter: ".experts.".into(),
             engine: EngineConfig::default(),
-            ceiling: CeilingConfig::default(),
+            ceiling: SweepConfig::quick(),
+            fio: fio::FioSweep::like(&SweepConfig::quick()),
             passes: 1,
             timeline_ms: None,
         }
@@ -144,6 +162,16 @@ pub struct RunResult {
     /// Engine arms: per drive (device, bytes, share of bytes).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub drives: Option<Vec<(String, u64, f64)>>,
+    /// Ceiling and fio arms: the configuration that reached this run's
+    /// figure (per drive for the ceiling).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub config: Option<String>,
+    /// Ceiling arm: the whole sweep, every configuration's figure.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ceiling: Option<CeilingReport>,
+    /// fio arm: the whole sweep, every invocation's figure.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fio: Option<fio::FioReport>,
 }
 
 /// Medians over the runs of one arm.
@@ -154,6 +182,9 @@ pub struct ArmResult {
     pub gbps_max: f64,
     /// `gbps / ceiling_gbps`.
     pub ratio: f64,
+    /// `gbps / fio_gbps`, when the fio arm ran.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ratio_fio: Option<f64>,
     pub cpu_s_per_gb: f64,
     pub p50_ms: Option<f64>,
     pub p99_ms: Option<f64>,
@@ -164,7 +195,25 @@ pub struct ArmResult {
 /// The whole bench.
 #[derive(Debug, Clone, Serialize)]
 pub struct BenchReport {
+    /// Median over the runs of weightstream's ceiling (its sweep's best).
     pub ceiling_gbps: f64,
+    /// The configuration that reached the ceiling in the median run (per
+    /// drive).
+    pub ceiling_config: String,
+    /// Median over the runs of fio's best on the same files, when the fio
+    /// arm ran.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fio_gbps: Option<f64>,
+    /// fio's configuration in its median run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fio_config: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fio_version: Option<String>,
+    /// "The ceiling is not a ceiling": arms whose median beats the ceiling
+    /// by more than its spread ([`ceiling_warnings`]).
+    pub warnings: Vec<String>,
+    /// What the run left out and why (e.g. the fio arm without fio).
+    pub notes: Vec<String>,
     pub concurrency: usize,
     pub runs: usize,
     pub tensors: usize,
@@ -200,6 +249,27 @@ pub fn run(model: &Model, cfg: &BenchConfig, progress: Progress) -> Result<Bench
         arms.insert(0, Arm::Ceiling);
     }
     arms.dedup();
+    let mut notes = Vec::new();
+    let mut fio_version = None;
+    if arms.contains(&Arm::Fio) {
+        match fio::available() {
+            Ok(v) => fio_version = Some(v),
+            Err(why) => {
+                let note = format!("fio arm skipped: {why}");
+                tracing::warn!("{note}");
+                notes.push(note);
+                arms.retain(|a| *a != Arm::Fio);
+            }
+        }
+    }
+    if arms.contains(&Arm::Fio) && cfg.ceiling.huge_pages {
+        notes.push(
+            "the ceiling reads into huge pages (MADV_HUGEPAGE), fio into its default buffers (4 KiB pages): where the \
+             device caps a request's segments (virtio) the ceiling can beat fio for that alone; --small-pages compares \
+             like with like"
+                .into(),
+        );
+    }
     let once = decode_order(model, &cfg.filter, cfg.seed);
     let order: Vec<&TensorRef> = (0..cfg.passes.max(1)).flat_map(|_| once.iter().copied()).collect();
     if order.is_empty() {
@@ -213,14 +283,23 @@ pub fn run(model: &Model, cfg: &BenchConfig, progress: Progress) -> Result<Bench
             runs.push(res);
         }
     }
-    let ceiling_gbps = median(
+    let median_of = |arm: Arm| {
         results
             .iter()
-            .find(|(a, _)| *a == Arm::Ceiling)
-            .map(|(_, r)| r.iter().map(|x| x.gbps).collect())
-            .unwrap_or_default(),
-    );
-    let arms = results
+            .find(|(a, _)| *a == arm)
+            .map(|(_, r)| median(r.iter().map(|x| x.gbps).collect()))
+    };
+    let ceiling_gbps = median_of(Arm::Ceiling).unwrap_or(0.0);
+    let fio_gbps = median_of(Arm::Fio);
+    let config_of = |arm: Arm| {
+        results
+            .iter()
+            .find(|(a, _)| *a == arm)
+            .and_then(|(_, r)| median_run(r))
+            .and_then(|r| r.config.clone())
+    };
+    let (ceiling_config, fio_config) = (config_of(Arm::Ceiling).unwrap_or_default(), config_of(Arm::Fio));
+    let arms: Vec<(String, ArmResult)> = results
         .into_iter()
         .map(|(arm, runs)| {
             let g: Vec<f64> = runs.iter().map(|r| r.gbps).collect();
@@ -236,6 +315,7 @@ pub fn run(model: &Model, cfg: &BenchConfig, progress: Progress) -> Result<Bench
                     gbps_min: g.iter().copied().fold(f64::INFINITY, f64::min),
                     gbps_max: g.iter().copied().fold(0.0, f64::max),
                     ratio: gbps / ceiling_gbps.max(1e-12),
+                    ratio_fio: fio_gbps.map(|f| gbps / f.max(1e-12)),
                     cpu_s_per_gb: median(runs.iter().map(|r| r.cpu_s_per_gb).collect()),
                     p50_ms: opt_median(&|r| r.p50_ms),
                     p99_ms: opt_median(&|r| r.p99_ms),
@@ -245,14 +325,77 @@ pub fn run(model: &Model, cfg: &BenchConfig, progress: Progress) -> Result<Bench
             )
         })
         .collect();
+    let warnings = match arms.iter().find(|(n, _)| n == Arm::Ceiling.name()) {
+        Some((_, c)) => {
+            let others: Vec<(&str, f64)> = arms
+                .iter()
+                .filter(|(n, _)| n != Arm::Ceiling.name())
+                .map(|(n, a)| (n.as_str(), a.gbps))
+                .collect();
+            ceiling_warnings(c.gbps, c.gbps_min, c.gbps_max, c.runs.len(), &others)
+        }
+        None => Vec::new(),
+    };
+    for w in &warnings {
+        tracing::warn!("{w}");
+    }
     Ok(BenchReport {
         ceiling_gbps,
+        ceiling_config,
+        fio_gbps,
+        fio_config,
+        fio_version,
+        warnings,
+        notes,
         concurrency: cfg.concurrency,
         runs: cfg.runs.max(1),
         tensors: order.len(),
         bytes_per_run,
         arms,
     })
+}
+
+/// The run whose figure is the median (of an even count: the upper of the
+/// middle two).
+fn median_run(runs: &[RunResult]) -> Option<&RunResult> {
+    let mut v: Vec<&RunResult> = runs.iter().collect();
+    v.sort_by(|a, b| a.gbps.total_cmp(&b.gbps));
+    v.get(v.len() / 2).copied()
+}
+
+/// "The ceiling is not a ceiling": one warning per arm whose median beats
+/// the ceiling's median by more than the ceiling's own spread over the runs
+/// (max - min), or 5% of the ceiling if that is larger. Non-finite figures
+/// are ignored; a zero ceiling (nothing measured) warns about every arm
+/// that measured something.
+pub fn ceiling_warnings(
+    ceiling: f64,
+    ceiling_min: f64,
+    ceiling_max: f64,
+    runs: usize,
+    arms: &[(&str, f64)],
+) -> Vec<String> {
+    if !ceiling.is_finite() {
+        return Vec::new();
+    }
+    let spread = if ceiling_min.is_finite() && ceiling_max.is_finite() {
+        (ceiling_max - ceiling_min).max(0.0)
+    } else {
+        0.0
+    };
+    let margin = spread.max(0.05 * ceiling);
+    arms.iter()
+        .filter(|(_, g)| g.is_finite() && *g > 0.0 && *g > ceiling + margin)
+        .map(|(name, g)| {
+            format!(
+                "the ceiling is not a ceiling: arm {name} at {g:.3} GB/s beats the ceiling's {ceiling:.3} GB/s \
+                 (median of {runs} run(s), {ceiling_min:.3}-{ceiling_max:.3}) by {:.1}%, more than the allowed {:.3} GB/s \
+                 (the ceiling's spread, or 5% if larger): the ceiling sweep misses a faster way to read these drives",
+                (g / ceiling.max(1e-12) - 1.0) * 100.0,
+                margin
+            )
+        })
+        .collect()
 }
 
 /// Median (of an even count: the mean of the middle two).
@@ -347,6 +490,30 @@ struct Timed {
     timeline: Option<Vec<(f64, Vec<u64>)>>,
     timeline_start_unix: Option<f64>,
     drives: Option<Vec<(String, u64, f64)>>,
+    /// A rate the arm measured itself (fio's `bw_bytes`), instead of
+    /// bytes / seconds.
+    gbps: Option<f64>,
+    config: Option<String>,
+    ceiling: Option<CeilingReport>,
+    fio: Option<fio::FioReport>,
+}
+
+impl Timed {
+    fn new(bytes: u64, seconds: f64, cpu_s: f64, latencies: Vec<f64>) -> Self {
+        Timed {
+            bytes,
+            seconds,
+            cpu_s,
+            latencies,
+            timeline: None,
+            timeline_start_unix: None,
+            drives: None,
+            gbps: None,
+            config: None,
+            ceiling: None,
+            fio: None,
+        }
+    }
 }
 
 fn run_arm(
@@ -373,17 +540,24 @@ fn run_arm(
     let timed = match arm {
         Arm::Ceiling => {
             let paths: Vec<PathBuf> = model.files().iter().map(|f| f.path.clone()).collect();
-            let r = ceiling::measure(&paths, &cfg.ceiling)?;
+            let r = ceiling::sweep(&paths, &cfg.ceiling)?;
             progress(1.0);
-            Timed {
-                bytes: r.bytes,
-                seconds: r.seconds,
-                cpu_s: r.cpu_seconds,
-                latencies: Vec::new(),
-                timeline: None,
-                timeline_start_unix: None,
-                drives: None,
-            }
+            let mut t = Timed::new(r.bytes, r.seconds, r.cpu_seconds, Vec::new());
+            t.gbps = Some(r.gbps);
+            t.config = Some(r.best_labels());
+            t.ceiling = Some(r);
+            t
+        }
+        Arm::Fio => {
+            let paths: Vec<PathBuf> = model.files().iter().map(|f| f.path.clone()).collect();
+            let drives: Vec<Vec<PathBuf>> = ceiling::drives_of(&paths)?.into_iter().map(|(_, f)| f).collect();
+            let r = fio::sweep(&drives, &cfg.fio)?;
+            progress(1.0);
+            let mut t = Timed::new(r.bytes, r.seconds, r.cpu_s, Vec::new());
+            t.gbps = Some(r.gbps);
+            t.config = Some(r.best_label.clone());
+            t.fio = Some(r);
+            t
         }
         Arm::Engine | Arm::EngineRoute(_) | Arm::Pread => {
             let ecfg = EngineConfig {
@@ -430,7 +604,7 @@ fn run_arm(
     Ok(RunResult {
         bytes: timed.bytes,
         seconds: timed.seconds,
-        gbps: gb / timed.seconds.max(1e-9),
+        gbps: timed.gbps.unwrap_or(gb / timed.seconds.max(1e-9)),
         cpu_s,
         cpu_s_per_gb: cpu_s / gb.max(1e-12),
         p50_ms: percentile(&lat, 0.50).map(|s| s * 1e3),
@@ -440,6 +614,9 @@ fn run_arm(
         timeline: timed.timeline,
         timeline_start_unix: timed.timeline_start_unix,
         drives: timed.drives,
+        config: timed.config,
+        ceiling: timed.ceiling,
+        fio: timed.fio,
     })
 }
 
@@ -526,15 +703,7 @@ fn engine_pipeline(
     let seconds = t0.elapsed().as_secs_f64();
     let cpu_s = process_cpu_seconds() - cpu0;
     progress(1.0);
-    Ok(Timed {
-        bytes,
-        seconds,
-        cpu_s,
-        latencies,
-        timeline: None,
-        timeline_start_unix: None,
-        drives: None,
-    })
+    Ok(Timed::new(bytes, seconds, cpu_s, latencies))
 }
 
 /// The baselines users would write: `concurrency` threads, each reading one
@@ -620,13 +789,76 @@ fn thread_reads(
         bytes += b;
         latencies.extend(l);
     }
-    Ok(Timed {
-        bytes,
-        seconds,
-        cpu_s,
-        latencies,
-        timeline: None,
-        timeline_start_unix: None,
-        drives: None,
-    })
+    Ok(Timed::new(bytes, seconds, cpu_s, latencies))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_arm_beyond_the_ceilings_spread_is_named_with_the_figures() {
+        // Ceiling 3.4 (3.3-3.5 over the runs); fio 7.5: the ceiling is not one.
+        let w = ceiling_warnings(3.4, 3.3, 3.5, 3, &[("fio", 7.5), ("engine", 3.45), ("pread", 3.0)]);
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(
+            w[0].contains("arm fio") && w[0].contains("7.500") && w[0].contains("3.400"),
+            "{w:?}"
+        );
+        assert!(w[0].contains("3.300-3.500") && w[0].contains("3 run(s)"), "{w:?}");
+        assert!(w[0].contains("the ceiling is not a ceiling"), "{w:?}");
+    }
+
+    #[test]
+    fn the_margin_is_the_spread_or_five_percent_whichever_is_larger() {
+        // Spread 0 (one run): 5% of 2.0 = 0.1 is the margin.
+        assert!(ceiling_warnings(2.0, 2.0, 2.0, 1, &[("engine", 2.09)]).is_empty());
+        assert_eq!(ceiling_warnings(2.0, 2.0, 2.0, 1, &[("engine", 2.11)]).len(), 1);
+        // A wide spread (1.5-2.5) is the margin: 2.9 is inside it.
+        assert!(ceiling_warnings(2.0, 1.5, 2.5, 3, &[("engine", 2.9)]).is_empty());
+        assert_eq!(ceiling_warnings(2.0, 1.5, 2.5, 3, &[("engine", 3.1)]).len(), 1);
+        // Below the ceiling: never.
+        assert!(ceiling_warnings(2.0, 1.9, 2.1, 3, &[("engine", 1.0)]).is_empty());
+    }
+
+    #[test]
+    fn non_finite_and_empty_figures_do_not_warn_but_a_zero_ceiling_does() {
+        assert!(ceiling_warnings(2.0, 2.0, 2.0, 1, &[("engine", f64::NAN), ("mmap", f64::INFINITY)]).is_empty());
+        assert!(ceiling_warnings(f64::NAN, 0.0, 0.0, 1, &[("engine", 1.0)]).is_empty());
+        assert!(ceiling_warnings(2.0, f64::INFINITY, 0.0, 1, &[("engine", 2.05)]).is_empty());
+        assert_eq!(
+            ceiling_warnings(0.0, 0.0, 0.0, 1, &[("engine", 1.0), ("pread", 0.0)]).len(),
+            1
+        );
+        assert!(ceiling_warnings(2.0, 2.0, 2.0, 1, &[]).is_empty());
+    }
+
+    fn run_at(gbps: f64, config: &str) -> RunResult {
+        RunResult {
+            bytes: 1,
+            seconds: 1.0,
+            gbps,
+            cpu_s: 0.0,
+            cpu_s_per_gb: 0.0,
+            p50_ms: None,
+            p99_ms: None,
+            cache_growth_bytes: 0,
+            cold: None,
+            timeline: None,
+            timeline_start_unix: None,
+            drives: None,
+            config: Some(config.into()),
+            ceiling: None,
+            fio: None,
+        }
+    }
+
+    #[test]
+    fn the_reported_configuration_is_the_median_runs() {
+        let runs = vec![run_at(3.0, "a"), run_at(9.0, "b"), run_at(5.0, "c")];
+        assert_eq!(median_run(&runs).unwrap().config.as_deref(), Some("c"));
+        assert!(median_run(&[]).is_none());
+        let runs = vec![run_at(3.0, "a"), run_at(9.0, "b")];
+        assert_eq!(median_run(&runs).unwrap().config.as_deref(), Some("b"));
+    }
 }

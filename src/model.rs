@@ -967,6 +967,7 @@ fn probe_weights(files: &[ShardFile], ranks: usize) -> std::result::Result<Vec<f
         bs: 19 << 20,
         qd: 8,
         bytes: Some(8 * (19 << 20)),
+        ..Default::default()
     };
     let mut w = Vec::with_capacity(ranks);
     for r in 0..ranks {

@@ -9,7 +9,7 @@ use std::time::Instant;
 use clap::{Parser, Subcommand};
 use sha2::{Digest, Sha256};
 use weightstream::bench::{Arm, BenchConfig};
-use weightstream::ceiling::CeilingConfig;
+use weightstream::ceiling::{Buffers, ReadConfig, Submit, SweepConfig};
 use weightstream::layout::escape;
 use weightstream::synth::{self, SynthSpec};
 use weightstream::{Arena, DirectMode, Engine, EngineConfig, Model, ModelConfig};
@@ -75,19 +75,39 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
-    /// The device ceiling: sequential O_DIRECT io_uring reads of the files, one reader per drive, all at once (fio's --rw=read job).
+    /// The device ceiling: a sweep of O_DIRECT io_uring read configurations (block size, depth, readers,
+    /// inline or async submission, plain or registered buffers) on each drive alone, the best and the
+    /// configuration that reached it per drive, then all drives at once with their best.
     Ceiling {
         #[arg(required = true)]
         paths: Vec<PathBuf>,
-        /// Bytes per read.
-        #[arg(long, default_value = "1MiB", value_parser = parse_bytes)]
-        bs: u64,
-        /// Reads in flight per drive.
-        #[arg(long, default_value_t = 16)]
-        qd: usize,
-        /// Stop after this many bytes per drive.
+        /// 8 configurations, up to 1 GiB or 0.25 s each (default: 32, up to 2 GiB or 0.5 s each).
+        #[arg(long)]
+        quick: bool,
+        /// Block sizes to try, comma-separated (e.g. 1MiB,4MiB); each dimension given replaces the sweep's values.
+        #[arg(long, value_delimiter = ',', value_parser = parse_bytes)]
+        bs: Vec<u64>,
+        /// Reads in flight per reader, comma-separated (e.g. 16,64).
+        #[arg(long, value_delimiter = ',')]
+        qd: Vec<usize>,
+        /// Reader threads per drive, each with its own ring (e.g. 1,2).
+        #[arg(long, value_delimiter = ',')]
+        readers: Vec<usize>,
+        /// inline and/or async (IOSQE_ASYNC on every read, fio --force_async=1).
+        #[arg(long, value_delimiter = ',')]
+        submit: Vec<String>,
+        /// plain and/or fixed (registered buffers, ReadFixed; fio --fixedbufs=1).
+        #[arg(long, value_delimiter = ',')]
+        buffers: Vec<String>,
+        /// Byte cap per configuration and drive (files are read round again if smaller).
         #[arg(long, value_parser = parse_bytes)]
         bytes: Option<u64>,
+        /// Time cap per configuration, seconds.
+        #[arg(long)]
+        seconds: Option<f64>,
+        /// Read into 4 KiB pages (as fio's default buffers) instead of huge pages (MADV_HUGEPAGE).
+        #[arg(long)]
+        small_pages: bool,
         #[arg(long)]
         json: bool,
     },
@@ -110,12 +130,20 @@ enum Cmd {
         #[arg(long, default_value_t = 0x5eed)]
         seed: u64,
     },
-    /// Read every expert in a seeded random order through several arms, interleaved, cold cache; ratios to the ceiling.
+    /// Read every expert in a seeded random order through several arms, interleaved, cold cache; ratios to the
+    /// ceiling and to fio's best in the same run.
     Bench {
         model_dir: PathBuf,
-        /// Arms, in the order they run each round.
-        #[arg(long, default_value = "ceiling,engine,pread,buffered,mmap")]
+        /// Arms, in the order they run each round (ceiling, fio, engine, engine-hash, engine-stripe,
+        /// engine-adaptive, pread, buffered, mmap).
+        #[arg(long, default_value = "ceiling,fio,engine,pread,buffered,mmap")]
         arms: String,
+        /// The ceiling's and fio's sweep each run: quick (8 configurations) or full (32).
+        #[arg(long, default_value = "quick")]
+        sweep: String,
+        /// The ceiling reads into 4 KiB pages (as fio's default buffers) instead of huge pages.
+        #[arg(long)]
+        small_pages: bool,
         #[arg(long, default_value_t = 3)]
         runs: usize,
         /// Reads in flight (1 = one expert at a time, decode-like).
@@ -356,11 +384,20 @@ fn main() -> ExitCode {
         } => digest(model_dir, tensors, direct, &engine, &layout, json),
         Cmd::Ceiling {
             paths,
+            quick,
             bs,
             qd,
+            readers,
+            submit,
+            buffers,
             bytes,
+            seconds,
+            small_pages,
             json,
-        } => ceiling_cmd(paths, bs, qd, bytes, json),
+        } => sweep_config(quick, &bs, &qd, &readers, &submit, &buffers, bytes, seconds).and_then(|mut cfg| {
+            cfg.huge_pages = !small_pages;
+            ceiling_cmd(paths, &cfg, json)
+        }),
         Cmd::Gen {
             model_dir,
             size,
@@ -373,6 +410,8 @@ fn main() -> ExitCode {
         Cmd::Bench {
             model_dir,
             arms,
+            sweep,
+            small_pages,
             runs,
             concurrency,
             seed,
@@ -386,6 +425,7 @@ fn main() -> ExitCode {
         } => bench_cmd(
             model_dir,
             &arms,
+            (&sweep, small_pages),
             (runs, concurrency, seed, passes, timeline_ms),
             filter,
             &engine,
@@ -715,33 +755,122 @@ fn digest(
     Ok(())
 }
 
-fn ceiling_cmd(paths: Vec<PathBuf>, bs: u64, qd: usize, bytes: Option<u64>, json: bool) -> CliResult {
-    let cfg = CeilingConfig {
-        bs: bs as usize,
-        qd,
-        bytes,
+/// The sweep the `ceiling` flags ask for: full or quick, with each
+/// dimension given replacing that dimension's values (every combination).
+#[allow(clippy::too_many_arguments)]
+fn sweep_config(
+    quick: bool,
+    bs: &[u64],
+    qd: &[usize],
+    readers: &[usize],
+    submit: &[String],
+    buffers: &[String],
+    bytes: Option<u64>,
+    seconds: Option<f64>,
+) -> Result<SweepConfig, Box<dyn std::error::Error>> {
+    let mut cfg = if quick {
+        SweepConfig::quick()
+    } else {
+        SweepConfig::full()
     };
-    let r = weightstream::ceiling::measure(&paths, &cfg)?;
+    if !(bs.is_empty() && qd.is_empty() && readers.is_empty() && submit.is_empty() && buffers.is_empty()) {
+        fn values<T: Copy + PartialEq>(given: Vec<T>, base: &[ReadConfig], f: fn(&ReadConfig) -> T) -> Vec<T> {
+            let mut v = if given.is_empty() {
+                base.iter().map(f).collect()
+            } else {
+                given
+            };
+            let mut seen = Vec::new();
+            v.retain(|x| {
+                let new = !seen.contains(x);
+                seen.push(*x);
+                new
+            });
+            v
+        }
+        let bs: Vec<usize> = bs
+            .iter()
+            .map(|&b| usize::try_from(b).map_err(|_| format!("--bs {b}: too large")))
+            .collect::<Result<_, _>>()?;
+        let submit = submit.iter().map(|s| Submit::parse(s)).collect::<Result<Vec<_>, _>>()?;
+        let buffers = buffers
+            .iter()
+            .map(|s| Buffers::parse(s))
+            .collect::<Result<Vec<_>, _>>()?;
+        let full = SweepConfig::full().configs;
+        cfg.configs = SweepConfig::product(
+            &values(bs, &full, |c| c.bs),
+            &values(qd.to_vec(), &full, |c| c.qd),
+            &values(readers.to_vec(), &full, |c| c.readers),
+            &values(submit, &full, |c| c.submit),
+            &values(buffers, &full, |c| c.buffers),
+        );
+        cfg.name = "custom".into();
+    }
+    if let Some(b) = bytes {
+        cfg.bytes = b;
+    }
+    if let Some(s) = seconds {
+        cfg.seconds = s;
+    }
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+fn ceiling_cmd(paths: Vec<PathBuf>, cfg: &SweepConfig, json: bool) -> CliResult {
+    let r = weightstream::ceiling::sweep(&paths, cfg)?;
     if json {
         println!("{}", serde_json::to_string_pretty(&r)?);
         return Ok(());
     }
     for d in &r.drives {
+        let s = &d.spread;
         println!(
-            "drive {}: {} file(s), {:.3} GB in {:.2}s = {:.3} GB/s",
+            "drive {}: {} file(s); best {:.3} GB/s with {} (CPU {:.3} s/GB); {} configuration(s): {:.3}-{:.3} GB/s \
+             (the weakest {:.2} of the best), {} failed, {} skipped",
             d.device,
             d.files.len(),
-            d.bytes as f64 / 1e9,
-            d.seconds,
-            d.gbps
+            d.gbps,
+            d.best_label,
+            d.cpu_s / (d.bytes as f64 / 1e9).max(1e-12),
+            d.configs.len(),
+            s.min_gbps,
+            s.max_gbps,
+            s.weakest_ratio,
+            s.failed,
+            s.skipped
         );
+        for c in &d.configs {
+            let mark = if c.config == d.best { "  <- best" } else { "" };
+            match (&c.error, &c.skipped) {
+                (Some(e), _) => println!("  {:<52} failed: {e}", c.label),
+                (None, Some(why)) => println!("  {:<52} skipped: {why}", c.label),
+                _ => println!(
+                    "  {:<52} {:>7.3} GB/s  {:.3} GB in {:.2}s  CPU {:.3} s/GB{mark}",
+                    c.label,
+                    c.gbps,
+                    c.bytes as f64 / 1e9,
+                    c.seconds,
+                    c.cpu_s_per_gb
+                ),
+            }
+        }
     }
+    let together = if r.drives.len() > 1 {
+        "all drives at once, each with its best"
+    } else {
+        "one drive: its best"
+    };
     println!(
-        "total: {:.3} GB in {:.2}s = {:.3} GB/s (bs {bs}, qd {qd} per drive), CPU {:.3} s/GB",
+        "total ({together}): {:.3} GB in {:.2}s = {:.3} GB/s, CPU {:.3} s/GB (getrusage: io-wq workers included); \
+         {} sweep took {:.1}s; buffers on {}",
         r.bytes as f64 / 1e9,
         r.seconds,
         r.gbps,
-        r.cpu_seconds / (r.bytes as f64 / 1e9).max(1e-12)
+        r.cpu_seconds / (r.bytes as f64 / 1e9).max(1e-12),
+        r.sweep,
+        r.elapsed_s,
+        r.pages
     );
     Ok(())
 }
@@ -783,6 +912,7 @@ fn gen(
 fn bench_cmd(
     dir: PathBuf,
     arms: &str,
+    (sweep, small_pages): (&str, bool),
     (runs, concurrency, seed, passes, timeline_ms): (usize, usize, u64, usize, Option<u64>),
     filter: String,
     eargs: &EngineArgs,
@@ -794,6 +924,12 @@ fn bench_cmd(
     let engine = eargs
         .config()?
         .ok_or("bench: --backend sync is not an arm; use --arms")?;
+    let mut ceiling = match sweep.trim().to_ascii_lowercase().as_str() {
+        "quick" => SweepConfig::quick(),
+        "full" => SweepConfig::full(),
+        other => return Err(format!("--sweep {other:?}: expected quick or full").into()),
+    };
+    ceiling.huge_pages = !small_pages;
     let cfg = BenchConfig {
         arms: Arm::parse_list(arms)?,
         runs,
@@ -801,7 +937,8 @@ fn bench_cmd(
         seed,
         filter,
         engine,
-        ceiling: CeilingConfig::default(),
+        fio: weightstream::bench::fio::FioSweep::like(&ceiling),
+        ceiling,
         passes,
         timeline_ms,
     };
@@ -842,30 +979,44 @@ fn bench_cmd(
         return Ok(());
     }
     println!(
-        "{} tensors, {:.3} GB per run, concurrency {}, median of {} interleaved run(s); ceiling {:.3} GB/s",
+        "{} tensors, {:.3} GB per run, concurrency {}, median of {} interleaved run(s)",
         r.tensors,
         r.bytes_per_run as f64 / 1e9,
         r.concurrency,
         r.runs,
-        r.ceiling_gbps
     );
+    println!("ceiling {:.3} GB/s ({})", r.ceiling_gbps, r.ceiling_config);
+    if let (Some(f), Some(c)) = (r.fio_gbps, &r.fio_config) {
+        println!(
+            "fio     {f:.3} GB/s ({c}; {}); ceiling / fio = {:.3}",
+            r.fio_version.as_deref().unwrap_or("fio"),
+            r.ceiling_gbps / f.max(1e-12)
+        );
+    }
     println!(
-        "{:>9} {:>8} {:>15} {:>6} {:>9} {:>8} {:>8} {:>12}",
-        "arm", "GB/s", "min-max", "ratio", "CPU s/GB", "p50 ms", "p99 ms", "cache grow"
+        "{:>15} {:>8} {:>15} {:>6} {:>9} {:>9} {:>8} {:>8} {:>12}",
+        "arm", "GB/s", "min-max", "ratio", "ratio_fio", "CPU s/GB", "p50 ms", "p99 ms", "cache grow"
     );
     for (n, a) in &r.arms {
         let ms = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}"));
         println!(
-            "{:>9} {:>8.3} {:>15} {:>6.3} {:>9.3} {:>8} {:>8} {:>10.1}MB",
+            "{:>15} {:>8.3} {:>15} {:>6.3} {:>9} {:>9.3} {:>8} {:>8} {:>10.1}MB",
             n,
             a.gbps,
             format!("{:.3}-{:.3}", a.gbps_min, a.gbps_max),
             a.ratio,
+            a.ratio_fio.map_or("-".to_string(), |x| format!("{x:.3}")),
             a.cpu_s_per_gb,
             ms(a.p50_ms),
             ms(a.p99_ms),
             a.cache_growth_bytes as f64 / 1e6
         );
+    }
+    for w in &r.warnings {
+        println!("warning: {w}");
+    }
+    for n in &r.notes {
+        println!("note: {n}");
     }
     Ok(())
 }
