@@ -55,7 +55,7 @@ j = f["jobs"][0]; rt = j["job_runtime"] / 1000; gb = j["read"]["io_bytes"] / 1e9
 d = json.load(open(p)); d["fio"].append({"gbps": gb / rt, "cpu_s_per_gb": (j["usr_cpu"] + j["sys_cpu"]) / 100 * rt / gb}); json.dump(d, open(p, "w"), indent=1)
 PY
         fi
-        c=$("$simdrives" exec "$ws" ceiling --json "${files[@]}")
+        c=$("$simdrives" exec "$ws" ceiling --quick --json "${files[@]}")
         python3 - "$json" "$n" "$c" <<'PY'
 import json, sys
 p, n, c = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])

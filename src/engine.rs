@@ -1414,6 +1414,9 @@ mod tests {
         Some(Ok(ring::SubmitProbe {
             k: 8,
             bytes: 8 << 16,
+            // The made-up probes say inline exactly when the call took most
+            // of the time.
+            done_at_submit: if submit_us * 2 > total_us { 8 } else { 0 },
             submit: std::time::Duration::from_micros(submit_us),
             total: std::time::Duration::from_micros(total_us),
         }))

@@ -136,8 +136,41 @@ fn a_drive_with_several_rings_survives_one_of_them() {
     drop(sim);
 }
 
+/// The build's own disk (virtio here, NVMe on most hosts) completes
+/// asynchronously: one ring that issues inline. (A loop device over tmpfs,
+/// simdrives' memloop, is not used for this: since Linux 6.x the loop driver
+/// first tries each read without blocking in the submitter's context, so it
+/// completes inline or not depending on its load, and either plan reads it
+/// at the same speed: 8.6 against 8.4 GB/s here.)
 #[test]
 fn a_drive_that_completes_asynchronously_keeps_one_ring() {
+    if !common::uring_available() {
+        return;
+    }
+    let tmp = common::tempdir();
+    let dir = tmp.path().join("model");
+    let s = spec();
+    common::synth_model(&dir, &s);
+    let model = Model::open(ModelConfig::new(&dir)).unwrap();
+    let engine = Engine::new(&model, EngineConfig::default()).unwrap();
+    let d = &engine.stats().drives[0];
+    let why = d.submit_reason.as_deref().unwrap_or("");
+    if !(d.device.starts_with("vd") || d.device.starts_with("nvme") || d.device.starts_with("sd")) {
+        eprintln!(
+            "SKIP: the build disk {} is not a virtio, NVMe or SCSI disk ({why})",
+            d.device
+        );
+        return;
+    }
+    assert_eq!((d.rings, d.submit), (Some(1), Some("inline")), "{d:?}");
+    assert!(why.contains("asynchronously") && why.contains("0 done"), "{why}");
+    read_all(&engine, &model, s.seed);
+}
+
+/// Whatever a memloop drive's probe says, the plan follows it and the
+/// bytes are right.
+#[test]
+fn a_loop_drive_over_memory_gets_the_plan_its_probe_says() {
     if !common::uring_available() {
         return;
     }
@@ -151,11 +184,14 @@ fn a_drive_that_completes_asynchronously_keeps_one_ring() {
     let model = Model::open(ModelConfig::new(&dir)).unwrap();
     let engine = Engine::new(&model, EngineConfig::default()).unwrap();
     let d = &engine.stats().drives[0];
-    assert_eq!((d.rings, d.submit), (Some(1), Some("inline")), "{d:?}");
-    assert!(
-        d.submit_reason.as_deref().unwrap_or("").contains("asynchronously"),
-        "{d:?}"
-    );
+    let why = d.submit_reason.clone().unwrap_or_default();
+    let want = if why.contains("completes reads inline") {
+        cpus().min(8) as u32
+    } else {
+        assert!(why.contains("asynchronously"), "{why}");
+        1
+    };
+    assert_eq!(d.rings, Some(want), "{d:?}");
     read_all(&engine, &model, s.seed);
     drop(engine);
     drop(model);

@@ -82,6 +82,11 @@ pub struct FioSweep {
     /// Wall-clock limit per invocation beyond `seconds` (a hung device or
     /// fio): the invocation is killed and recorded as failed.
     pub grace: Duration,
+    /// Buffers on huge pages (`--iomem=shmhuge`, from the hugetlb pool) when
+    /// the pool has room, as the ceiling's are: a device that caps the
+    /// segments of a request (virtio-blk: 254) splits a 1 MiB read into
+    /// 4 KiB pages in two, so fio on small pages is not the device's limit.
+    pub huge_pages: bool,
 }
 
 impl FioSweep {
@@ -107,6 +112,7 @@ impl FioSweep {
             seconds: ceiling.seconds,
             name: ceiling.name.clone(),
             grace: Duration::from_secs(60),
+            huge_pages: ceiling.huge_pages,
         }
     }
 }
@@ -131,6 +137,10 @@ pub struct FioRun {
     pub error: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub skipped: Option<String>,
+    /// fio's buffers: `shmhuge` (2 MiB hugetlb pages) or `malloc` (4 KiB
+    /// pages: the hugetlb pool was empty, too small, or huge pages off).
+    #[serde(default)]
+    pub iomem: String,
 }
 
 /// The fio arm's sweep. GB are 10^9 bytes.
@@ -259,7 +269,14 @@ fn fio_path(p: &std::path::Path) -> String {
 /// fio's arguments for `cfg` over `drives` (each drive's files), one job
 /// section per drive. `smallest_file` (bytes) sets `--offset_increment`
 /// for sequential jobs.
-pub fn args(drives: &[Vec<PathBuf>], smallest_file: u64, cfg: &FioConfig, bytes: u64, seconds: f64) -> Vec<String> {
+pub fn args(
+    drives: &[Vec<PathBuf>],
+    smallest_file: u64,
+    cfg: &FioConfig,
+    bytes: u64,
+    seconds: f64,
+    huge: bool,
+) -> Vec<String> {
     let r = cfg.read;
     let per_job = (bytes / r.readers.max(1) as u64).max(r.bs as u64);
     let mut a = vec![
@@ -280,6 +297,9 @@ pub fn args(drives: &[Vec<PathBuf>], smallest_file: u64, cfg: &FioConfig, bytes:
     if r.buffers == Buffers::Fixed {
         a.push("--fixedbufs=1".into());
     }
+    if huge {
+        a.push("--iomem=shmhuge".into());
+    }
     if cfg.rw == Rw::Read && r.readers > 1 {
         // Sequential jobs start apart, as the ceiling's readers do.
         let inc = smallest_file / r.readers as u64 / 4096 * 4096;
@@ -293,6 +313,23 @@ pub fn args(drives: &[Vec<PathBuf>], smallest_file: u64, cfg: &FioConfig, bytes:
         a.push(format!("--filename={}", names.join(":")));
     }
     a
+}
+
+/// Free bytes of the hugetlb pool (`HugePages_Free` x `Hugepagesize`).
+pub fn hugetlb_free_bytes() -> u64 {
+    let Ok(m) = std::fs::read_to_string("/proc/meminfo") else {
+        return 0;
+    };
+    let field = |k: &str| {
+        m.lines()
+            .find(|l| l.starts_with(k))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+    };
+    match (field("HugePages_Free:"), field("Hugepagesize:")) {
+        (Some(n), Some(kb)) => n * kb * 1024,
+        _ => 0,
+    }
 }
 
 /// Runs fio with `args`, killed (its process group) after `limit`; returns
@@ -386,7 +423,7 @@ pub fn sweep(drives: &[Vec<PathBuf>], cfg: &FioSweep) -> Result<FioReport> {
             buffers: Buffers::Plain,
         },
     };
-    let startup_cpu_s = invoke(&args(&drives[..1], smallest, &probe, 4096, 1.0), cfg.grace)
+    let startup_cpu_s = invoke(&args(&drives[..1], smallest, &probe, 4096, 1.0, false), cfg.grace)
         .map(|(_, _, cpu)| cpu)
         .unwrap_or(0.0);
     let mut runs: Vec<FioRun> = Vec::with_capacity(cfg.configs.len());
@@ -403,6 +440,7 @@ pub fn sweep(drives: &[Vec<PathBuf>], cfg: &FioSweep) -> Result<FioReport> {
             cpu_s_fio: 0.0,
             error,
             skipped,
+            iomem: String::new(),
         };
         // The same bound as the ceiling's: windows the drives cannot fill
         // within the runtime are skipped (fio's best per drive so far).
@@ -410,7 +448,11 @@ pub fn sweep(drives: &[Vec<PathBuf>], cfg: &FioSweep) -> Result<FioReport> {
             runs.push(blank(None, Some(why)));
             continue;
         }
-        let a = args(drives, smallest, &c, cfg.bytes, cfg.seconds);
+        // Every job's buffers (iodepth x bs, with fio's alignment slack) from
+        // the hugetlb pool, or 4 KiB pages when it cannot hold them.
+        let need = drives.len() as u64 * c.read.readers as u64 * (c.read.qd as u64 * c.read.bs as u64 + (4 << 20));
+        let huge = cfg.huge_pages && hugetlb_free_bytes() >= need;
+        let a = args(drives, smallest, &c, cfg.bytes, cfg.seconds, huge);
         let limit = Duration::from_secs_f64(cfg.seconds) + cfg.grace;
         let r = invoke(&a, limit).and_then(|(out, err, cpu)| {
             parse_output(&out)
@@ -429,6 +471,8 @@ pub fn sweep(drives: &[Vec<PathBuf>], cfg: &FioSweep) -> Result<FioReport> {
                     cpu_s,
                     cpu_s_per_gb: if gb > 0.0 { cpu_s / gb } else { 0.0 },
                     cpu_s_fio: p.cpu_s,
+                    iomem: if huge { "shmhuge" } else { "malloc" }.into(),
+                    label: format!("{} iomem={}", c.label(), if huge { "shmhuge" } else { "malloc" }),
                     ..blank(None, None)
                 }
             }
@@ -548,7 +592,8 @@ mod tests {
             vec![PathBuf::from("/a/x:1.safetensors"), PathBuf::from("/a/y")],
             vec![PathBuf::from("/b/z")],
         ];
-        let a = args(&drives, 1 << 30, &c, 1 << 30, 0.5);
+        let a = args(&drives, 1 << 30, &c, 1 << 30, 0.5, true);
+        assert!(a.iter().any(|x| x == "--iomem=shmhuge"));
         for want in [
             "--ioengine=io_uring",
             "--direct=1",
@@ -577,7 +622,8 @@ mod tests {
             rw: Rw::Randread,
             read: ReadConfig::BASELINE,
         };
-        let a = args(&drives[..1], 1 << 30, &plain, 1 << 30, 0.25);
+        let a = args(&drives[..1], 1 << 30, &plain, 1 << 30, 0.25, false);
+        assert!(!a.iter().any(|x| x.starts_with("--iomem")));
         assert!(!a
             .iter()
             .any(|x| x.contains("force_async") || x.contains("fixedbufs") || x.contains("offset_increment")));

@@ -255,9 +255,10 @@ struct EngineArgs {
     /// Completion polling, on drives whose queue/io_poll says they poll.
     #[arg(long)]
     iopoll: bool,
-    /// How reads are issued per drive: auto (a probe at start: punted to
-    /// io-wq on a drive that completes inline, like zram), inline, or async
-    /// (default: WEIGHTSTREAM_SUBMIT or auto).
+    /// How reads are issued per drive: auto (a probe at start: one ring per
+    /// CPU on a drive that completes reads inline, like zram; else one
+    /// ring), inline, rings:N, or async (IOSQE_ASYNC: io-wq workers issue
+    /// the reads). Default: WEIGHTSTREAM_SUBMIT or auto.
     #[arg(long)]
     submit: Option<String>,
     /// NUMA placement: on (bind each drive's I/O threads to its node's CPUs,
