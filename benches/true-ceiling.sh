@@ -45,11 +45,14 @@ cleanup
 echo 640 > /proc/sys/vm/nr_hugepages
 echo "hugetlb pool: $(grep HugePages_Free /proc/meminfo)"
 
-model_for() { # kind -> model dir (made here), mirror list in $mirror
+model_for() { # kind -> model dir (made here), mirror list in $mirror, runner in $run
     local kind=$1 mnts
     mirror=""
+    # Capped drives cap only processes in simdrives' cgroup.
+    run=("$simdrives" exec)
     case $kind in
         virtio)
+            run=()
             mkdir -p target/tmp
             dir=$root/target/tmp/true-ceiling-model
             [ -d "$dir" ] || "$ws" gen "$dir" --size 2GiB >/dev/null
@@ -87,7 +90,7 @@ for kind in $kinds; do
     "$ws" inspect "$dir" "${m[@]}" 2>/dev/null | grep -E "^drive|submit" | sed 's/^/  /' || true
     for c in 8 1; do
         echo "== $kind concurrency $c"
-        "$simdrives" exec "$ws" bench "$dir" "${m[@]}" --arms ceiling,fio,engine,pread --runs "$runs" \
+        "${run[@]}" "$ws" bench "$dir" "${m[@]}" --arms ceiling,fio,engine,pread --runs "$runs" \
             --sweep "$sweep" --concurrency "$c" --plot "$out/$kind-c$c.svg" --json > "$out/$kind-c$c.json"
         python3 - "$out/$kind-c$c.json" <<'PY'
 import json, sys
@@ -110,7 +113,7 @@ print(r["bytes_per_run"] // r["tensors"])' "$out/$kind-c1.json")
     if [ -n "$mirror" ]; then
         args+=(--name=mirror --filename="$(ls "$mirror"/*.safetensors | tr '\n' ':' | sed 's/:$//')")
     fi
-    "$simdrives" exec fio "${args[@]}" > "$out/$kind-fio-expert.json" 2>/dev/null || true
+    "${run[@]}" fio "${args[@]}" > "$out/$kind-fio-expert.json" 2>/dev/null || true
     echo "  fio, one expert in flight ($depth x 1 MiB): $(python3 -c "
 import json,sys
 t=open('$out/$kind-fio-expert.json').read(); d=json.loads(t[t.index('{'):])
