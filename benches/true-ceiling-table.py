@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The record's tables from benches/true-ceiling.sh's JSON files.
 
-Usage: benches/true-ceiling-table.py OUT_DIR > OUT_DIR/README.md
+Usage: benches/true-ceiling-table.py OUT_DIR > OUT_DIR/table.md
 Every figure is a median of the interleaved runs; ratios are to fio's best
 (and the ceiling's) measured in the same runs. GB = 10^9 bytes."""
 import json
