@@ -1,0 +1,74 @@
+//! Helpers of the command's integration tests: the library's test helpers
+//! (one file, included), and running the built `weightstream` binary.
+
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+#[path = "../../../weightstream/tests/common/mod.rs"]
+mod lib_common;
+pub use lib_common::*;
+
+/// The built `weightstream` binary.
+pub fn bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_weightstream"))
+}
+
+/// Environment variables that change what the binary does; tests run it
+/// without them so the arguments alone decide (a developer's
+/// `WEIGHTSTREAM_MIRROR` or `WEIGHTSTREAM_ROUTE` must never leak into a
+/// test's layout).
+pub const ENV_KNOBS: [&str; 15] = [
+    "WEIGHTSTREAM_LOG",
+    "WEIGHTSTREAM_BACKEND",
+    "WEIGHTSTREAM_QD",
+    "WEIGHTSTREAM_CHUNK",
+    "WEIGHTSTREAM_SQPOLL",
+    "WEIGHTSTREAM_IOPOLL",
+    "WEIGHTSTREAM_MODEL",
+    "WEIGHTSTREAM_MODEL_DIRS",
+    "WEIGHTSTREAM_MIRROR",
+    "WEIGHTSTREAM_DISK_WEIGHTS",
+    "WEIGHTSTREAM_ROUTE",
+    "WEIGHTSTREAM_DIRECT",
+    "WEIGHTSTREAM_NUMA",
+    "WEIGHTSTREAM_NUMA_XML",
+    "WEIGHTSTREAM_NUMA_DEVICE_MAP",
+];
+
+/// `cmd` with the [`ENV_KNOBS`] removed.
+pub fn hermetic(mut cmd: Command) -> Command {
+    for k in ENV_KNOBS {
+        cmd.env_remove(k);
+    }
+    cmd
+}
+
+/// Runs the binary with `args`; logging at its default level.
+pub fn run(args: &[&std::ffi::OsStr]) -> Output {
+    let mut cmd = hermetic(Command::new(bin()));
+    cmd.args(args).output().expect("run the weightstream binary")
+}
+
+/// Runs the binary with `args` and parses its `--json` stdout; panics with
+/// stderr when it fails. Returns the JSON and stderr.
+pub fn run_json(args: &[&std::ffi::OsStr]) -> (serde_json::Value, String) {
+    let out = run(args);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "weightstream {args:?} failed:\n{stderr}");
+    let v = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("weightstream {args:?}: stdout is not JSON ({e}):\n{stderr}"));
+    (v, stderr)
+}
+
+/// Runs the binary with `args` and the variables in `env` set (on top of the
+/// hermetic environment).
+pub fn run_with_env(args: &[&std::ffi::OsStr], env: &[(&str, &std::ffi::OsStr)]) -> Output {
+    let mut cmd = hermetic(Command::new(bin()));
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.args(args).output().expect("run the weightstream binary")
+}
+

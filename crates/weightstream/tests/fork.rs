@@ -1,0 +1,158 @@
+//! An engine used in a forked child. The child has copies of the engine,
+//! its tickets and arenas, but none of its I/O threads, and (arenas being
+//! MADV_DONTFORK) none of the arenas' pages. Every call that would wait for
+//! an I/O thread returns `Error::Forked` naming both processes instead;
+//! dropping the engine or a ticket in the child neither hangs nor panics.
+//! (Before: `wait` hung forever and the engine's drop panicked.)
+//!
+//! One test in this binary, so the child is forked from a process whose
+//! only other threads are the engine's own.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use weightstream_synth::SynthSpec;
+use weightstream::{BackendChoice, Engine, EngineConfig, Error, Model, ModelConfig, SlotSpec};
+
+/// Child exit codes, one per check, so the parent can say which failed.
+const OK: i32 = 0;
+const READ_NOT_REFUSED: i32 = 10;
+const WAIT_NOT_REFUSED: i32 = 11;
+const ARENA_NOT_REFUSED: i32 = 12;
+const WRONG_ERROR: i32 = 13;
+const SLOT_IN_CHILD: i32 = 14;
+
+fn child(
+    engine: Engine,
+    ticket: weightstream::Ticket,
+    arena: &weightstream::Arena,
+    t: &weightstream::TensorRef,
+    spec: SlotSpec,
+) -> i32 {
+    // The parent's arena is not mapped here: no slot of it can be had.
+    if arena.take().is_some() {
+        return SLOT_IN_CHILD;
+    }
+    let parent = std::os::unix::process::parent_id();
+    let forked =
+        |e: &Error| matches!(e, Error::Forked { parent: p, child: c } if *p == parent && *c == std::process::id());
+    match engine.arena(spec, 1) {
+        Err(e) if forked(&e) => {}
+        Err(_) => return WRONG_ERROR,
+        Ok(_) => return ARENA_NOT_REFUSED,
+    }
+    match ticket.wait() {
+        Err(e) if forked(&e) => {}
+        Err(_) => return WRONG_ERROR,
+        Ok(_) => return WAIT_NOT_REFUSED,
+    }
+    // A slot cannot even be had in the child (the arena is not mapped);
+    // reading needs one, so read with a slot of a fresh child-local arena.
+    let local = weightstream::Arena::new(spec, 1).expect("an arena made in the child");
+    match engine.read(t, local.take().unwrap()) {
+        Err(e) if forked(&e) => {}
+        Err(_) => return WRONG_ERROR,
+        Ok(_) => return READ_NOT_REFUSED,
+    }
+    drop(engine);
+    OK
+}
+
+#[test]
+fn an_engine_in_a_forked_child_refuses_work_and_drops_cleanly() {
+    let tmp = common::tempdir();
+    let dir = tmp.path().join("model");
+    common::synth_model(
+        &dir,
+        &SynthSpec {
+            layers: 1,
+            experts: 2,
+            expert_bytes: 4 << 20,
+            shards: 1,
+            ..SynthSpec::default()
+        },
+    );
+    let model = Model::open(ModelConfig::new(&dir)).unwrap();
+    let backends = if common::uring_available() {
+        vec![BackendChoice::Uring, BackendChoice::Pread]
+    } else {
+        vec![BackendChoice::Pread]
+    };
+    for backend in backends {
+        let engine = Engine::new(
+            &model,
+            EngineConfig {
+                backend,
+                queue_depth: 4096,
+                chunk: Some(4096),
+                ..EngineConfig::default()
+            },
+        )
+        .unwrap();
+        let t = model
+            .tensor("model.layers.0.mlp.experts.0.down_proj.weight")
+            .unwrap()
+            .clone();
+        let spec = SlotSpec::new(t.len as usize).with_align(model.required_align());
+        // A big registered arena: fork must not copy it.
+        let big = engine.arena(SlotSpec::new(64 << 20), 8).unwrap();
+        let arena = engine.arena(spec, 1).unwrap();
+        let ticket = engine.read(&t, arena.take().unwrap()).unwrap();
+        let t0 = Instant::now();
+        // SAFETY: the child runs only this crate's code and `_exit`s; no
+        // other thread of this test process holds a lock the child takes
+        // (the engine's threads hold none across the fork that the child's
+        // refusing paths touch, which is what the test checks).
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+        if pid == 0 {
+            let code = child(engine, ticket, &big, &t, spec);
+            // SAFETY: ends the child at once, running no exit handlers.
+            unsafe { libc::_exit(code) };
+        }
+        let fork_time = t0.elapsed();
+        let mut status = 0;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            // SAFETY: waits for our own child; `status` is a valid out-pointer.
+            let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+            if r == pid {
+                break;
+            }
+            if Instant::now() > deadline {
+                // SAFETY: kills our own child.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+                panic!("{backend:?}: the child hung (engine use or drop in a forked child)");
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(
+            libc::WIFEXITED(status),
+            "{backend:?}: the child died abnormally (status {status:#x})"
+        );
+        assert_eq!(libc::WEXITSTATUS(status), OK, "{backend:?}: child check failed");
+        eprintln!(
+            "{backend:?}: fork with a {} MiB registered arena took {fork_time:?}",
+            8 * 64
+        );
+        // The parent's engine goes on as before.
+        drop(ticket);
+        let l = ticket_done(&engine, &model, &t, &arena);
+        assert_eq!(l, t.len as usize);
+        drop(big);
+    }
+}
+
+fn ticket_done(engine: &Engine, model: &Model, t: &weightstream::TensorRef, arena: &weightstream::Arena) -> usize {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let slot = loop {
+        if let Some(s) = arena.take() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "the parent's read never finished");
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    let _ = model;
+    engine.read(t, slot).unwrap().wait().unwrap().len()
+}
