@@ -11,8 +11,8 @@
 
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
-use weightstream::__bench::{chunk_count, chunk_split};
-use weightstream::window::{Window, WindowError};
+use weightstream::__internal::{chunk_count, chunk_split};
+use weightstream::__internal::{Window, WindowError};
 use weightstream::SlotSpec;
 
 #[derive(Debug, Arbitrary)]

@@ -229,7 +229,7 @@ impl LayoutArgs {
                 "WEIGHTSTREAM_DIRECT" if direct.is_some() => return None,
                 _ => &None,
             };
-            flag.clone().or_else(|| weightstream::layout::env_var(k))
+            flag.clone().or_else(|| weightstream::env::get(k))
         })?;
         Ok(match direct {
             Some(d) => c.direct(d),
@@ -546,7 +546,7 @@ fn inspect(dir: PathBuf, layout: &LayoutArgs, numa: Option<&str>, json: bool) ->
         .map_or_else(|| model.stats().drives, |e| e.stats().drives);
     let provider = engine.as_ref().map(|e| e.numa_provider().name());
     let cat = model.catalog();
-    let copy_json = |f: &weightstream::model::ShardFile| {
+    let copy_json = |f: &weightstream::ShardFile| {
         serde_json::json!({
             "path": escape(&f.path),
             "rank": f.rank,

@@ -24,7 +24,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::{container_bytes, header_json, Entry};
-use weightstream::model::Change;
+use weightstream::Change;
 use weightstream::{Engine, EngineConfig, Model, ModelConfig, VerifyReport};
 
 const SHARD: &str = "model.safetensors";

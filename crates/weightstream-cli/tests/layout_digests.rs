@@ -35,9 +35,9 @@ use std::ffi::{OsStr, OsString};
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
-use weightstream::layout::split_list;
-use weightstream::route;
-use weightstream::window::Window;
+use weightstream::__internal::split_list;
+use weightstream::__internal as route;
+use weightstream::__internal::Window;
 use weightstream::{Model, ModelConfig, RoutePolicy, Weights};
 
 const CHUNK: usize = 4096;

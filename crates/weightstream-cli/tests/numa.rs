@@ -142,7 +142,8 @@ mod with_hwloc {
     use super::*;
     use std::collections::HashMap;
     use std::path::{Path, PathBuf};
-    use weightstream::numa::{bind_thread_described, Hwloc, Provider, TopologyProvider};
+    use weightstream::__internal::bind_thread_described;
+    use weightstream::{Hwloc, Provider, TopologyProvider};
 
     fn fixture() -> PathBuf {
         common::lib_tests_dir().join("fixtures/two-socket-nvme.xml")
@@ -307,7 +308,7 @@ mod with_hwloc {
                 .find_map(|l| l.strip_prefix("Cpus_allowed_list:").map(|v| v.trim().to_string()))
                 .unwrap()
         };
-        let l = weightstream::numa::Locality {
+        let l = weightstream::Locality {
             node: Some(0),
             cpuset: Some("0".into()),
             nodeset: Some("0".into()),

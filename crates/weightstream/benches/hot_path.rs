@@ -20,15 +20,15 @@
 //! - `route/*`: the routing decision for one chunk over two copies, and the
 //!   per-drive load bookkeeping each routed chunk pays; ns per chunk.
 //!
-//! These go through `weightstream::__bench`, a hidden re-export of internals
+//! These go through `weightstream::__internal`, a hidden re-export of internals
 //! that is not a stable API.
 
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use weightstream::__bench::{chunk_count, chunk_on_result, chunk_split, Chunk, Credits, DriveLoad, Request};
-use weightstream::route::{cuts, hash_pick, stripe_pick};
-use weightstream::window::Window;
+use weightstream::__internal::{chunk_count, chunk_on_result, chunk_split, Chunk, Credits, DriveLoad, Request};
+use weightstream::__internal::{cuts, hash_pick, stripe_pick};
+use weightstream::__internal::Window;
 
 /// A typical MoE expert's payload: 19918080 bytes (just under 19 MiB).
 const EXPERT_LEN: u64 = 19_918_080;

@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::path::PathBuf;
 
 use safetensors::tensor::{Dtype, View};
-use weightstream::stripe;
+use weightstream::layer_placement;
 use weightstream_synth as synth;
 use weightstream::{Engine, EngineConfig, Model, ModelConfig};
 
@@ -51,7 +51,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         args
     };
     let layers = 8;
-    let place = stripe::placement(layers, &roots);
+    let place = layer_placement::placement(layers, &roots);
     // Write each layer's tensors into a shard on the root it is placed on.
     for (i, root) in place.iter().enumerate() {
         let tensors: Vec<(String, Layer)> = ["self_attn.qkv_proj", "mlp.up_proj", "mlp.down_proj"]
@@ -70,12 +70,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Tensors grouped by layer, in layer order.
     let mut by_layer: BTreeMap<usize, Vec<_>> = BTreeMap::new();
     for t in model.catalog().tensors() {
-        if let Some(l) = stripe::layer_of(&t.name) {
+        if let Some(l) = layer_placement::layer_of(&t.name) {
             by_layer.entry(l).or_default().push(t);
         }
     }
     // N + 1 whole layers in flight.
-    let ahead = stripe::readahead_default(roots.len());
+    let ahead = layer_placement::readahead_default(roots.len());
     let per_layer = by_layer.values().map(Vec::len).max().unwrap_or(1);
     let arena = engine.arena(model.slot_spec_for_largest(""), ahead * per_layer)?;
     let order: Vec<_> = by_layer.values().flatten().collect();

@@ -3,6 +3,30 @@
 
 use std::path::PathBuf;
 
+/// Shows a path or file name for people: control characters escaped (so a
+/// refusal can be read and matched against what was typed), and bytes that
+/// are not UTF-8 as `\xNN` (names need not be UTF-8; two names that differ
+/// only in such bytes still show differently, which a lossy display would
+/// not). Identity is never the escaped form: names stay `OsStr`/`Path`.
+pub fn escape(p: impl AsRef<std::ffi::OsStr>) -> String {
+    use std::fmt::Write;
+    use std::os::unix::ffi::OsStrExt;
+    let mut out = String::new();
+    for chunk in p.as_ref().as_bytes().utf8_chunks() {
+        out.extend(chunk.valid().chars().flat_map(char::escape_debug));
+        for b in chunk.invalid() {
+            let _ = write!(out, "\\x{b:02x}");
+        }
+    }
+    out
+}
+
+/// Serialises a path or name as its [`escape`]d text (serde's own
+/// `Path` serialisation fails on names that are not UTF-8).
+pub fn serialize_escaped<T: AsRef<std::ffi::OsStr>, S: serde::Serializer>(v: &T, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&escape(v))
+}
+
 /// Result alias for this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -36,7 +60,7 @@ pub enum HeaderError {
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// A system call on a file failed.
-    #[error("{}: {op}: {source}", crate::layout::escape(path))]
+    #[error("{}: {op}: {source}", escape(path))]
     Io {
         path: PathBuf,
         op: &'static str,
@@ -44,15 +68,15 @@ pub enum Error {
         source: std::io::Error,
     },
     /// A shard's header was refused; nothing was read from its data.
-    #[error("{}: refused safetensors header: {cause}", crate::layout::escape(path))]
+    #[error("{}: refused safetensors header: {cause}", escape(path))]
     Header { path: PathBuf, cause: HeaderError },
     /// A model directory or index is inconsistent.
-    #[error("{}: {cause}", crate::layout::escape(path))]
+    #[error("{}: {cause}", escape(path))]
     Catalog { path: PathBuf, cause: String },
     /// A requested range is not inside the file: untrusted container.
     #[error(
         "{}: range [{start}, {end}) is outside the file ({size} bytes): untrusted container",
-        crate::layout::escape(path)
+        escape(path)
     )]
     OutOfRange {
         path: PathBuf,
@@ -61,7 +85,7 @@ pub enum Error {
         size: u64,
     },
     /// The file ended before a read inside its validated size completed.
-    #[error("{}: {op}: end of file at byte {at} while reading [{start}, {end}); was the file truncated after it was opened?", crate::layout::escape(path))]
+    #[error("{}: {op}: end of file at byte {at} while reading [{start}, {end}); was the file truncated after it was opened?", escape(path))]
     UnexpectedEof {
         path: PathBuf,
         op: &'static str,
@@ -117,5 +141,26 @@ impl Error {
             path: path.into(),
             cause: cause.into(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    #[test]
+    fn escape_shows_control_characters() {
+        assert_eq!(escape(Path::new("/a\nb\tc")), "/a\\nb\\tc");
+    }
+
+    #[test]
+    fn escape_shows_invalid_bytes_distinctly() {
+        use std::os::unix::ffi::OsStrExt;
+        let a = std::ffi::OsStr::from_bytes(b"/m/a\xff.safetensors");
+        let b = std::ffi::OsStr::from_bytes(b"/m/a\xfe.safetensors");
+        assert_eq!(escape(a), "/m/a\\xff.safetensors");
+        assert_ne!(escape(a), escape(b));
+        assert_eq!(escape("caf\u{e9}"), "caf\u{e9}");
     }
 }

@@ -4,60 +4,61 @@
 //! The data flow, and the modules that own each step:
 //!
 //! ```text
-//! model dir -> container (one shard's header, validated)
-//!           -> catalog   (tensor name -> shard, file range)
-//!           -> model     (open files: O_DIRECT + buffered, drives, stats)
-//!           -> window    (pure alignment / EOF-clamp arithmetic)
-//!           -> direct    (the in-place range read with counted fallbacks)
-//!           -> arena     (page-aligned slots the payload lands in)
+//! config   -> what to open and how to read (builders, WEIGHTSTREAM_* table)
+//! storage  -> shard files opened (O_DIRECT + buffered), DIOALIGN, NUMA node
+//! format   -> one shard's header validated; the catalog (name -> range)
+//! model    -> Model::open: search path, proven mirrors, drives, verify
+//! memory   -> page-aligned arenas of slots the payload lands in
+//! plan     -> window, chunks, the direct/buffered decision (pure)
+//! engine   -> submit -> router -> lanes -> backend (ring | pread | sync)
+//!             -> completion -> ticket -> Loaded
 //! ```
 //!
-//! See `docs/architecture.md` for the contracts each module keeps.
+//! Nothing below imports anything above it (`ci/layers` checks it). See
+//! `docs/architecture.md` for the contracts each module keeps.
+
+#![warn(missing_docs, unreachable_pub)]
 
 #[cfg(not(target_os = "linux"))]
 compile_error!("weightstream is Linux-only: it needs O_DIRECT, statx(STATX_DIOALIGN) and io_uring");
 
-pub mod arena;
-pub mod catalog;
-mod chunk;
-pub mod container;
-pub mod direct;
-pub mod dtype;
-pub mod engine;
-pub mod error;
+mod error;
 mod fork;
-mod inflight;
-pub mod layout;
-pub mod model;
-pub mod numa;
-mod pread;
-mod probe;
-mod queue;
-mod ring;
-pub mod route;
-pub mod stats;
-pub mod stripe;
-mod sync;
-pub mod topology;
-pub mod window;
+mod stats;
+mod storage;
+mod format;
+pub mod layer_placement;
+mod config;
+mod memory;
+mod plan;
+mod model;
+mod engine;
 
-pub use arena::{Arena, Slot, SlotSpec};
-pub use catalog::{Catalog, TensorRef};
-pub use direct::{DirectMode, Loaded};
-pub use dtype::Dtype;
-pub use engine::{BackendChoice, DrivePlacement, Engine, EngineConfig, IoPoll, ShutdownReport, SubmitMode, Ticket};
-pub use error::{Error, Result};
-pub use layout::{escape, ModelConfig, RoutePolicy, Weights};
-pub use model::open_direct;
-pub use topology::FileTopology;
-pub use model::{Model, VerifyReport};
-pub use stats::{FallbackCause, Stats};
+pub use config::{env, BackendChoice, DirectMode, EngineConfig, IoPoll, ModelConfig, RoutePolicy, SubmitMode, Weights};
+pub use engine::{DrivePlacement, Engine, Fault, Loaded, ShutdownReport, Ticket};
+pub use error::{escape, Error, HeaderError, Result};
+pub use format::catalog::{Catalog, ShardInfo, TensorRef, INDEX_FILE, MAX_INDEX_LEN};
+pub use format::container::{ShardHeader, TensorEntry, MAX_HEADER_LEN};
+pub use format::dtype::Dtype;
+pub use memory::{dontfork_failures, hugepage_refusals, Arena, Slot, SlotSpec};
+pub use model::{CopyReport, FileVerdict, Model, VerifyReport};
+pub use stats::{DriveStats, FallbackCause, Feature, Stats};
+pub use storage::files::{Change, Drive, FileIdentity, ShardFile};
+pub use storage::numa::{Locality, Provider, SingleNode, TopologyProvider};
+#[cfg(feature = "numa")]
+pub use storage::numa::Hwloc;
+pub use storage::open::open_direct;
+pub use storage::topology::{AlignSource, FileTopology};
 
-/// Internals exposed only for the microbenchmarks in `benches/` (not a
-/// stable API: hidden from the docs, may change with any release).
+/// Internals for the microbenchmarks, the fuzz targets and the tests that
+/// check the pure cores directly. **Not a stable API**: hidden from the
+/// docs, may change with any release.
 #[doc(hidden)]
-pub mod __bench {
-    pub use crate::chunk::{count as chunk_count, on_result as chunk_on_result, split as chunk_split, Chunk};
-    pub use crate::inflight::{Credits, Outcome, Request};
-    pub use crate::route::DriveLoad;
+pub mod __internal {
+    pub use crate::config::split_list;
+    pub use crate::engine::internal::{cuts, hash_pick, stripe_pick, Credits, DriveLoad, Outcome, Request};
+    pub use crate::memory::arena::round_up;
+    pub use crate::plan::chunk::{count as chunk_count, on_result as chunk_on_result, split as chunk_split, Chunk};
+    pub use crate::plan::window::{Window, WindowError};
+    pub use crate::storage::numa::bind_thread_described;
 }

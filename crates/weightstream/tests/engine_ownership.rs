@@ -33,7 +33,7 @@ use std::thread::Thread;
 use std::time::{Duration, Instant};
 
 use weightstream_synth::{self as synth, SynthSpec};
-use weightstream::window::Window;
+use weightstream::__internal::Window;
 use weightstream::{Arena, BackendChoice, DirectMode, Engine, EngineConfig, Model, ModelConfig, SlotSpec, TensorRef};
 
 const BACKENDS: [BackendChoice; 2] = [BackendChoice::Uring, BackendChoice::Pread];

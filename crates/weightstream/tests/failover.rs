@@ -24,7 +24,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use weightstream::route;
+use weightstream::__internal as route;
 use weightstream_synth::{self as synth, SynthSpec};
 use weightstream::{BackendChoice, Engine, EngineConfig, Error, Model, ModelConfig, RoutePolicy, TensorRef};
 

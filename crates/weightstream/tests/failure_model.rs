@@ -20,7 +20,7 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
 use common::SimDrives;
-use weightstream::engine::Fault;
+use weightstream::Fault;
 use weightstream_synth::{self as synth, SynthSpec};
 use weightstream::{
     Arena, BackendChoice, Engine, EngineConfig, Error, IoPoll, Model, ModelConfig, SlotSpec, TensorRef,

@@ -10,7 +10,7 @@ mod common;
 use std::time::Duration;
 
 use common::SimDrives;
-use weightstream::engine::Fault;
+use weightstream::Fault;
 use weightstream_synth::{self as synth, SynthSpec};
 use weightstream::{BackendChoice, Engine, EngineConfig, Model, ModelConfig, SubmitMode};
 

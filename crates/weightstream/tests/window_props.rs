@@ -9,8 +9,8 @@
 //! u128, where the planner must not overflow.
 
 use proptest::prelude::*;
-use weightstream::__bench::chunk_split;
-use weightstream::window::{round_up, Window, WindowError};
+use weightstream::__internal::chunk_split;
+use weightstream::__internal::{round_up, Window, WindowError};
 use weightstream::SlotSpec;
 
 /// What the contract says one planned read must be.

@@ -19,7 +19,7 @@
 use std::task::{Poll, Waker};
 
 use crate::error::Error;
-use crate::sync::{lock, Arc, AtomicBool, AtomicUsize, Condvar, Mutex, Ordering};
+use crate::engine::sync::{lock, Arc, AtomicBool, AtomicUsize, Condvar, Mutex, Ordering};
 
 struct State<S> {
     slot: Option<S>,

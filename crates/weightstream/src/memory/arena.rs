@@ -24,7 +24,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::error::{Error, Result};
-use crate::window::round_up;
 
 /// The shape of every slot in an arena.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -113,6 +112,15 @@ impl SlotSpec {
         }
         Ok(())
     }
+}
+
+/// Rounds `x` up to a multiple of `align`; `None` when `align` is not a
+/// power of two or the result does not fit `usize`.
+pub fn round_up(x: usize, align: usize) -> Option<usize> {
+    if !align.is_power_of_two() {
+        return None;
+    }
+    x.checked_add(align - 1).map(|v| v & !(align - 1))
 }
 
 static NEXT_ARENA_ID: AtomicU64 = AtomicU64::new(1);
@@ -496,6 +504,21 @@ impl Arena {
         (self.map.region.ptr.as_ptr(), self.map.region.len)
     }
 
+    /// The memory of `n` consecutive slots from slot `first` (for buffer
+    /// registration). Panics unless they are slots of this arena.
+    pub(crate) fn slots_range(&self, first: usize, n: usize) -> SlotRange {
+        assert!(
+            first.checked_add(n).is_some_and(|end| end <= self.map.count),
+            "slots [{first}, +{n}) of an arena of {}",
+            self.map.count
+        );
+        let len = n * self.map.slot_len;
+        // SAFETY: `first < count` (checked), so the offset is inside the
+        // mapping (at most isize::MAX bytes, checked in `map`).
+        let base = unsafe { self.map.region.ptr.add(first * self.map.slot_len) };
+        SlotRange { base, len }
+    }
+
     /// Whether `fork()` leaves this arena out of a child
     /// (`madvise(MADV_DONTFORK)` succeeded). False only when the kernel
     /// refused the advice (warned once), and always under Miri.
@@ -547,6 +570,70 @@ impl Arena {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .push(Box::new(f));
+    }
+}
+
+/// The memory of one slot as a read sees it: a non-null base and a length.
+/// It carries the address, never the right to touch the bytes: turning it
+/// into a slice is `unsafe` ([`SlotRange::slice_mut`]), and is sound only
+/// while the caller holds the slot's ownership (a request in flight owns
+/// its slot until every chunk is reaped).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SlotRange {
+    base: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: a `SlotRange` is an address and a length; every access to the
+// bytes goes through `SlotRange::slice_mut`, an `unsafe fn` whose caller
+// guarantees the slot is alive and not otherwise accessed, whatever thread
+// it runs on.
+unsafe impl Send for SlotRange {}
+// SAFETY: as above; `&SlotRange` exposes only the address and the length.
+unsafe impl Sync for SlotRange {}
+
+impl SlotRange {
+    /// The base address as a pointer (for the kernel: buffer registration).
+    pub(crate) fn as_ptr(&self) -> *mut u8 {
+        self.base.as_ptr()
+    }
+
+    /// Bytes in the range.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The base address, for alignment arithmetic.
+    pub(crate) fn addr(&self) -> usize {
+        self.base.as_ptr() as usize
+    }
+
+    /// The pointer `off` bytes into the slot, where `len` bytes will land.
+    /// Panics unless `[off, off + len)` lies inside the slot (planning
+    /// guarantees it; this keeps a planning bug from becoming a wild write).
+    pub(crate) fn at(&self, off: usize, len: usize) -> NonNull<u8> {
+        assert!(
+            off.checked_add(len).is_some_and(|end| end <= self.len),
+            "a chunk [{off}, +{len}) outside its slot of {} bytes",
+            self.len
+        );
+        // SAFETY: `off <= len` of the slot (checked above), so the offset
+        // stays inside (or one past) the slot's memory, one allocation.
+        unsafe { self.base.add(off) }
+    }
+
+    /// `len` bytes of the slot from `off`, writable.
+    ///
+    /// # Safety
+    /// The slot must be alive (its arena mapping not released) and no other
+    /// reference to these bytes may be used while the slice lives: the
+    /// caller owns the slot (e.g. the request in flight that holds it), and
+    /// no other chunk of it overlaps `[off, off + len)`.
+    pub(crate) unsafe fn slice_mut<'a>(&self, off: usize, len: usize) -> &'a mut [u8] {
+        let p = self.at(off, len);
+        // SAFETY: in bounds (`at` checked it); alive and unaliased by the
+        // caller's obligation above.
+        unsafe { std::slice::from_raw_parts_mut(p.as_ptr(), len) }
     }
 }
 
@@ -626,6 +713,14 @@ impl Slot {
         }
     }
 
+    /// The slot's memory as a read sees it (address and length).
+    pub(crate) fn range(&self) -> SlotRange {
+        SlotRange {
+            base: NonNull::new(self.base_mut_ptr()).expect("a slot of a mapping is never null"),
+            len: self.map.slot_len,
+        }
+    }
+
     /// Identity of the arena this slot belongs to (unique in the process).
     pub fn arena_id(&self) -> u64 {
         self.map.id
@@ -648,6 +743,22 @@ impl Drop for Slot {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn round_up_is_checked() {
+        assert_eq!(round_up(0, 4096), Some(0));
+        assert_eq!(round_up(1, 4096), Some(4096));
+        assert_eq!(round_up(4096, 4096), Some(4096));
+        assert_eq!(round_up(usize::MAX - 4095, 4096), Some(usize::MAX - 4095));
+        // Used to wrap to 0 in release builds (and panic in debug).
+        assert_eq!(round_up(usize::MAX - 4094, 4096), None);
+        assert_eq!(round_up(usize::MAX, 2), None);
+        assert_eq!(round_up(5, 1 << (usize::BITS - 1)), Some(1 << (usize::BITS - 1)));
+        assert_eq!(round_up(5, 3), None);
+        assert_eq!(round_up(5, 0), None);
+    }
+
+
 
     #[test]
     fn slots_are_page_aligned_distinct_and_returned() {

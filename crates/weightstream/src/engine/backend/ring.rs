@@ -33,10 +33,15 @@ use std::time::{Duration, Instant};
 use io_uring::{opcode, types, IoUring};
 
 use crate::error::Error;
-use crate::numa::ThreadPlacement;
-use crate::queue::{fail_copy, fail_queued, settle, Control, DriveQueue, Io, Job};
-use crate::sync::lock_std as lock;
-use crate::Model;
+use crate::engine::backend::pread_chunk;
+use crate::engine::completion::{complete, fail_over, fail_queued, requeue};
+use crate::engine::queue::{Control, DriveQueue, Io, Job};
+use crate::engine::sync::lock_std as lock;
+use crate::memory::{Arena, SlotSpec};
+use crate::model::Model;
+use crate::stats::DriveCounters;
+use crate::storage::files::ShardFile;
+use crate::storage::numa::ThreadPlacement;
 
 /// Most fixed buffers a ring takes (the kernel's limit).
 pub(crate) const MAX_FIXED_BUFFERS: u32 = 1 << 14;
@@ -123,7 +128,7 @@ pub(crate) fn completes_inline(p: &SubmitProbe) -> (bool, String) {
 /// the same ranges (the first pass flushes pages still dirty from a recent
 /// write, which would send any read to io-wq, and warms the path; the
 /// second is returned).
-pub(crate) fn probe_submit(file: &crate::model::ShardFile) -> std::io::Result<SubmitProbe> {
+pub(crate) fn probe_submit(file: &ShardFile) -> std::io::Result<SubmitProbe> {
     const K: u32 = 8;
     const READ: u64 = 64 << 10;
     let none = SubmitProbe {
@@ -142,8 +147,8 @@ pub(crate) fn probe_submit(file: &crate::model::ShardFile) -> std::io::Result<Su
     if len == 0 {
         return Ok(none);
     }
-    let spec = crate::arena::SlotSpec::new(len as usize).with_align(align as usize);
-    let arena = crate::arena::Arena::new(spec, K as usize).map_err(std::io::Error::other)?;
+    let spec = SlotSpec::new(len as usize).with_align(align as usize);
+    let arena = Arena::new(spec, K as usize).map_err(std::io::Error::other)?;
     let mut slots: Vec<_> = (0..K).filter_map(|_| arena.take()).collect();
     let mut ring = IoUring::new(2 * K)?;
     let mut probe = none;
@@ -601,8 +606,8 @@ impl RingThread {
 
     /// A job that cannot go on on this drive: another copy, or an error.
     fn give_up(&mut self, job: Job, why: String) {
-        if let Some(again) = fail_copy(job, why.clone(), &self.io, self.lane) {
-            crate::queue::requeue(&self.io, again, &why);
+        if let Some(again) = fail_over(job, why.clone(), &self.io, self.lane) {
+            requeue(&self.io, again, &why);
         }
     }
 
@@ -627,9 +632,9 @@ impl RingThread {
             Control::RegisterBuffers { first, iovecs, reply } => {
                 let iov: Vec<libc::iovec> = iovecs
                     .iter()
-                    .map(|&(base, len)| libc::iovec {
-                        iov_base: base as *mut libc::c_void,
-                        iov_len: len,
+                    .map(|r| libc::iovec {
+                        iov_base: r.as_ptr().cast(),
+                        iov_len: r.len(),
                     })
                     .collect();
                 // SAFETY: each iovec is a range of a live arena mapping; the
@@ -718,7 +723,7 @@ impl RingThread {
         }
         let file = &self.model.files()[job.chunk.file as usize];
         let fixed = self.fixed[job.chunk.file as usize].and_then(|(d, b)| if job.chunk.direct { d } else { Some(b) });
-        let ptr = job.target.chunk_ptr(&job.chunk);
+        let ptr = job.target.chunk_ptr(&job.chunk).as_ptr();
         macro_rules! read_entry {
             ($fd:expr) => {
                 match job.target.buf_index {
@@ -770,8 +775,11 @@ impl RingThread {
 
     fn pread_now(&mut self, mut job: Job) {
         loop {
-            let res = crate::pread::pread_chunk(&self.model, &job);
-            match settle(job, res, &self.io, self.lane) {
+            // SAFETY: this thread holds the job (and the request owning its
+            // slot) until `complete` settles it; no other chunk of the
+            // request overlaps this one.
+            let res = unsafe { pread_chunk(&self.model, &job) };
+            match complete(job, res, &self.io, self.lane) {
                 Some(again) if again.chunk.direct => return self.submit(again),
                 Some(again) => job = again,
                 None => return,
@@ -852,7 +860,7 @@ impl RingThread {
                 tracing::error!(user_data = ud, res, "completion for no in-flight chunk (ignored)");
                 continue;
             };
-            if let Some(again) = settle(job, res, &self.io, self.lane) {
+            if let Some(again) = complete(job, res, &self.io, self.lane) {
                 self.submit(again);
             }
         }
@@ -890,7 +898,7 @@ impl Drop for RingThread {
         let n = jobs.len();
         self.inflight = 0;
         // Counted before the tickets hear of it.
-        crate::stats::DriveCounters::add(&self.model.drives()[self.drive].counters.chunks_abandoned, n as u64);
+        DriveCounters::add(&self.model.drives()[self.drive].counters.chunks_abandoned, n as u64);
         for job in jobs {
             job.abandon(Error::DriveStopped {
                 device: device.clone(),

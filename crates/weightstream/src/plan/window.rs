@@ -161,15 +161,6 @@ impl Window {
     }
 }
 
-/// Rounds `x` up to a multiple of `align`; `None` when `align` is not a
-/// power of two or the result does not fit `usize`.
-pub fn round_up(x: usize, align: usize) -> Option<usize> {
-    if !align.is_power_of_two() {
-        return None;
-    }
-    x.checked_add(align - 1).map(|v| v & !(align - 1))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -242,20 +233,6 @@ mod tests {
             (w.direct, w.tail, w.tail_file_offset(), w.tail_slot_offset()),
             (0, 10000, 1071, 1071)
         );
-    }
-
-    #[test]
-    fn round_up_is_checked() {
-        assert_eq!(round_up(0, 4096), Some(0));
-        assert_eq!(round_up(1, 4096), Some(4096));
-        assert_eq!(round_up(4096, 4096), Some(4096));
-        assert_eq!(round_up(usize::MAX - 4095, 4096), Some(usize::MAX - 4095));
-        // Used to wrap to 0 in release builds (and panic in debug).
-        assert_eq!(round_up(usize::MAX - 4094, 4096), None);
-        assert_eq!(round_up(usize::MAX, 2), None);
-        assert_eq!(round_up(5, 1 << (usize::BITS - 1)), Some(1 << (usize::BITS - 1)));
-        assert_eq!(round_up(5, 3), None);
-        assert_eq!(round_up(5, 0), None);
     }
 
     #[test]

@@ -17,7 +17,7 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use crate::dtype::Dtype;
+use crate::format::dtype::Dtype;
 use crate::error::{Error, HeaderError, Result};
 
 /// The largest header accepted, as in the reference reader (100 MB).

@@ -1,98 +1,18 @@
-//! The synchronous in-place range read: the contract every faster path must
-//! reproduce byte for byte.
-//!
-//! The block-aligned bulk goes by one O_DIRECT `pread` into the slot base;
-//! the sub-block tail by one buffered `pread` straight into its place after
-//! it. When the bulk cannot go direct (no O_DIRECT descriptor, a slot that
-//! does not meet the file's alignment, no whole block in the payload) or
-//! the direct read fails or comes back short, the payload is read wholly
-//! buffered into its place. Every such fallback is counted by cause and
-//! logged once per drive. Buffered reads drop their pages afterwards so a
-//! fallback does not fill the page cache with bytes nobody reads again.
+//! The direct/buffered decision, in one place: where a tensor lands in a
+//! slot (a window checked against the slot's real length before any I/O),
+//! and whether its bulk may go O_DIRECT on each copy of its shard, every
+//! refusal counted by cause and logged once per drive. The synchronous read
+//! and the engine both decide here, so they cannot decide differently.
 
-use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::path::Path;
-use std::str::FromStr;
 
-use crate::arena::{Slot, SlotSpec};
-use crate::catalog::TensorRef;
+use crate::config::{DirectMode, MAX_COPY_RANKS};
 use crate::error::{Error, Result};
-use crate::model::{Drive, ShardFile};
-use crate::stats::{DriveCounters, FallbackCause};
-use crate::window::{Window, WindowError};
-
-/// Whether reads use O_DIRECT.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum DirectMode {
-    /// O_DIRECT where the file and slot allow it; every fallback counted.
-    #[default]
-    Auto,
-    /// As `Auto`, but a shard whose filesystem refuses O_DIRECT is an error
-    /// at open instead of a counted fallback.
-    On,
-    /// Buffered reads only (pages dropped after each read).
-    Off,
-}
-
-impl FromStr for DirectMode {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "auto" => Ok(DirectMode::Auto),
-            "on" | "1" | "true" => Ok(DirectMode::On),
-            "off" | "0" | "false" => Ok(DirectMode::Off),
-            other => Err(Error::Config(format!(
-                "direct mode {other:?}: expected auto, on or off"
-            ))),
-        }
-    }
-}
-
-/// A payload that has landed in its slot.
-pub struct Loaded {
-    slot: Slot,
-    pad: usize,
-    len: usize,
-}
-
-impl Loaded {
-    pub(crate) fn new(slot: Slot, pad: usize, len: usize) -> Self {
-        debug_assert!(pad + len <= slot.len());
-        Loaded { slot, pad, len }
-    }
-
-    /// Offset of the payload from the slot base (`file offset % align`).
-    pub fn pad(&self) -> usize {
-        self.pad
-    }
-
-    /// The slot, for reuse.
-    pub fn into_slot(self) -> Slot {
-        self.slot
-    }
-
-    /// The slot, read-only (scratch included), e.g. for guard checks.
-    pub fn slot(&self) -> &Slot {
-        &self.slot
-    }
-}
-
-impl std::ops::Deref for Loaded {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        &self.slot.as_bytes()[self.pad..self.pad + self.len]
-    }
-}
-
-impl std::fmt::Debug for Loaded {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Loaded")
-            .field("pad", &self.pad)
-            .field("len", &self.len)
-            .finish()
-    }
-}
+use crate::format::catalog::TensorRef;
+use crate::memory::{Slot, SlotSpec};
+use crate::plan::window::{Window, WindowError};
+use crate::stats::FallbackCause;
+use crate::storage::files::{Drive, ShardFile};
 
 /// Plans where `tensor` lands in `slot`. Errors name the tensor or the file.
 ///
@@ -189,104 +109,89 @@ pub(crate) fn direct_refusal(file: &ShardFile, w: &Window, slot: &Slot) -> Optio
     None
 }
 
-/// Reads `tensor` into `slot` synchronously. On error the slot is dropped
-/// (returned to its arena): nothing the kernel writes outlives this call.
-pub(crate) fn read_sync(
-    file: &ShardFile,
-    drive: &Drive,
-    tensor: &TensorRef,
-    mut slot: Slot,
-    mode: crate::DirectMode,
-) -> Result<Loaded> {
-    let path = &file.path;
-    let w = plan(path, file.size, tensor, &slot)?;
-    let c = &drive.counters;
-    let mut w = w;
-    let mut direct_ok = false;
-    if w.len == 0 {
-        return Ok(Loaded::new(slot, w.pad, 0));
-    }
-    if mode == DirectMode::Off {
-        w = w.buffered();
-    } else if let Some((cause, why)) = direct_refusal(file, &w, &slot) {
-        c.fallback(&drive.device, path, cause, &why);
-        w = w.buffered();
-    } else {
-        let dfile = file.direct.as_ref().expect("checked by direct_refusal");
-        let buf = &mut slot.as_bytes_mut()[..w.direct];
-        match pread_full(dfile, buf, w.start) {
-            Ok(n) if n == w.direct => direct_ok = true,
-            Ok(n) => {
-                let why = format!("O_DIRECT read of {} bytes at {} returned {n}", w.direct, w.start);
-                c.fallback(&drive.device, path, FallbackCause::ShortDirect, &why);
-                w = w.buffered();
-            }
-            Err(e) => {
-                let cause = if e.raw_os_error() == Some(rustix::io::Errno::INVAL.raw_os_error()) {
-                    FallbackCause::DeviceEinval
-                } else {
-                    FallbackCause::DirectError
-                };
-                let why = format!("O_DIRECT read of {} bytes at {}: {e}", w.direct, w.start);
-                c.fallback(&drive.device, path, cause, &why);
-                w = w.buffered();
-            }
-        }
-    }
-    if w.tail > 0 {
-        let at = w.tail_slot_offset();
-        let buf = &mut slot.as_bytes_mut()[at..at + w.tail];
-        let off = w.tail_file_offset();
-        let n = pread_full(&file.buffered, buf, off).map_err(|e| Error::io(path, "buffered read", e))?;
-        if n < w.tail {
-            return Err(Error::UnexpectedEof {
-                path: path.clone(),
-                op: "buffered read",
-                start: off,
-                end: off + w.tail as u64,
-                at: off + n as u64,
-            });
-        }
-        drop_pages(&file.buffered, off, w.tail as u64);
-        DriveCounters::add(&c.bytes_buffered, w.tail as u64);
-    }
-    if direct_ok {
-        DriveCounters::add(&c.reads_direct, 1);
-        DriveCounters::add(&c.bytes_direct, (w.len - w.tail) as u64);
-    } else {
-        DriveCounters::add(&c.reads_buffered, 1);
-    }
-    DriveCounters::add(&c.bytes, w.len as u64);
-    Ok(Loaded::new(slot, w.pad, w.len))
+/// How one read's bulk goes, decided before any I/O: the window to read
+/// (the buffered fallback when no copy can go direct), and per copy of the
+/// shard (primary first) whether its chunks may go O_DIRECT, with the
+/// refusal counted when a chunk is routed to a copy that cannot.
+pub(crate) struct DirectPlan {
+    /// The window to read: as planned, or [`Window::buffered`].
+    pub(crate) window: Window,
+    direct: [bool; MAX_COPY_RANKS],
+    refusals: [Option<(FallbackCause, String)>; MAX_COPY_RANKS],
+    counted: [bool; MAX_COPY_RANKS],
 }
 
-/// `pread` until `buf` is full or end of file; returns the bytes read.
-/// EINTR is retried; any other error is returned.
-pub(crate) fn pread_full(file: &File, buf: &mut [u8], off: u64) -> std::io::Result<usize> {
-    let mut done = 0;
-    while done < buf.len() {
-        match file.read_at(&mut buf[done..], off + done as u64) {
-            Ok(0) => break,
-            Ok(k) => done += k,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
+impl DirectPlan {
+    /// Decides for `copies` (the shard's copies, primary first; at most
+    /// [`MAX_COPY_RANKS`] are considered) of a read planned as `w` into
+    /// `slot`. With `DirectMode::Off` everything goes buffered and nothing
+    /// is counted; a payload without a whole block is counted `no_bulk` on
+    /// the primary's drive; when no copy can go direct, the primary's
+    /// refusal is counted once on its drive.
+    pub(crate) fn decide(mode: DirectMode, w: Window, slot: &Slot, copies: &[&ShardFile], drives: &[Drive]) -> Self {
+        let mut p = DirectPlan {
+            window: w,
+            direct: [false; MAX_COPY_RANKS],
+            refusals: Default::default(),
+            counted: [false; MAX_COPY_RANKS],
+        };
+        let primary = copies[0];
+        let count_on_primary = |cause: FallbackCause, why: &str| {
+            let d = &drives[primary.drive];
+            d.counters.fallback(&d.device, &primary.path, cause, &why);
+        };
+        if mode == DirectMode::Off || w.len == 0 {
+            p.window = if w.len == 0 { w } else { w.buffered() };
+            return p;
+        }
+        if w.direct == 0 {
+            let why = format!(
+                "payload of {} bytes holds no whole {}-byte block",
+                w.len,
+                slot.spec().align
+            );
+            count_on_primary(FallbackCause::NoBulk, &why);
+            return p;
+        }
+        let n = copies.len().min(MAX_COPY_RANKS);
+        for (k, f) in copies[..n].iter().enumerate() {
+            p.refusals[k] = direct_refusal(f, &w, slot);
+            p.direct[k] = p.refusals[k].is_none();
+        }
+        if !p.direct[..n].iter().any(|&x| x) {
+            // No copy can: counted once, on the primary's drive.
+            if let Some((cause, why)) = &p.refusals[0] {
+                count_on_primary(*cause, why);
+            }
+            p.counted[0] = true;
+            p.window = w.buffered();
+        }
+        p
+    }
+
+    /// Whether chunks routed to copy `k` may go O_DIRECT.
+    pub(crate) fn copy_direct(&self, k: usize) -> bool {
+        self.direct.get(k).copied().unwrap_or(false)
+    }
+
+    /// A direct chunk was routed to copy `k` (file `file` on `drive`), which
+    /// cannot take it: counts its refusal, once per read and copy.
+    pub(crate) fn count_refusal(&mut self, k: usize, file: &ShardFile, drive: &Drive) {
+        if k >= MAX_COPY_RANKS || self.counted[k] {
+            return;
+        }
+        self.counted[k] = true;
+        if let Some((cause, why)) = &self.refusals[k] {
+            drive.counters.fallback(&drive.device, &file.path, *cause, why);
         }
     }
-    Ok(done)
-}
-
-/// Drops the page-cache pages of a range read buffered: weights are read once
-/// per step and must not crowd out the engine's memory.
-pub(crate) fn drop_pages(file: &File, off: u64, len: u64) {
-    // Advisory: a failure costs only cache, never bytes.
-    let _ = rustix::fs::fadvise(file, off, std::num::NonZeroU64::new(len), rustix::fs::Advice::DontNeed);
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::arena::Arena;
-    use crate::chunk;
+    use crate::memory::Arena;
+    use crate::plan::chunk;
     use proptest::prelude::*;
 
     fn tensor(offset: u64, len: u64) -> TensorRef {
@@ -295,7 +200,7 @@ mod tests {
             shard: 0,
             offset,
             len,
-            dtype: crate::dtype::Dtype::U8,
+            dtype: crate::format::dtype::Dtype::U8,
             shape: vec![len as usize],
             index: 0,
         }

@@ -73,7 +73,7 @@ pub fn probe(path: &Path, file: &File) -> std::io::Result<FileTopology> {
     } else {
         // statx answered with zeros: direct I/O unsupported for this file.
         statx_says_no_direct = has_dio;
-        if let Some(lbs) = logical_block_size(&sys_dev) {
+        if let Some(lbs) = logical_block_size(major, minor) {
             offset_align = lbs;
             mem_align = lbs;
             source = AlignSource::BlockDevice;
@@ -99,21 +99,28 @@ pub fn probe(path: &Path, file: &File) -> std::io::Result<FileTopology> {
     })
 }
 
+/// A `queue/` attribute of the block device `major:minor`, following a
+/// partition to its disk (the one place sysfs queue attributes are read).
+pub(crate) fn queue_attr(major: u32, minor: u32, name: &str) -> Option<String> {
+    let sys_dev = format!("/sys/dev/block/{major}:{minor}");
+    let read = |p: String| std::fs::read_to_string(p).ok().map(|s| s.trim().to_string());
+    read(format!("{sys_dev}/queue/{name}")).or_else(|| read(format!("{sys_dev}/../queue/{name}")))
+}
+
 /// The logical block size of a block device, following a partition to its disk.
-fn logical_block_size(sys_dev: &str) -> Option<u32> {
-    let read = |p: String| std::fs::read_to_string(p).ok()?.trim().parse::<u32>().ok();
-    read(format!("{sys_dev}/queue/logical_block_size"))
-        .or_else(|| read(format!("{sys_dev}/../queue/logical_block_size")))
+fn logical_block_size(major: u32, minor: u32) -> Option<u32> {
+    queue_attr(major, minor, "logical_block_size")?
+        .parse::<u32>()
+        .ok()
         .filter(|&v| v.is_power_of_two())
 }
 
 /// `max_sectors_kb` of the device behind `dev`, in bytes (the largest request
 /// the block layer issues without splitting).
-pub fn max_request_bytes(major: u32, minor: u32) -> Option<usize> {
-    let sys_dev = format!("/sys/dev/block/{major}:{minor}");
-    let read = |p: String| std::fs::read_to_string(p).ok()?.trim().parse::<usize>().ok();
-    read(format!("{sys_dev}/queue/max_sectors_kb"))
-        .or_else(|| read(format!("{sys_dev}/../queue/max_sectors_kb")))
+pub(crate) fn max_request_bytes(major: u32, minor: u32) -> Option<usize> {
+    queue_attr(major, minor, "max_sectors_kb")?
+        .parse::<usize>()
+        .ok()
         .map(|kb| kb * 1024)
 }
 

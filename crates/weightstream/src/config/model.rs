@@ -5,11 +5,41 @@
 //! policy. Read from a builder or from the environment; every directory is
 //! validated before anything is opened.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::str::FromStr;
 
-use crate::direct::DirectMode;
+use crate::config::env;
 use crate::error::{Error, Result};
+
+/// Whether reads use O_DIRECT.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DirectMode {
+    /// O_DIRECT where the file and slot allow it; every fallback counted.
+    #[default]
+    Auto,
+    /// As `Auto`, but a shard whose filesystem refuses O_DIRECT is an error
+    /// at open instead of a counted fallback.
+    On,
+    /// Buffered reads only (pages dropped after each read).
+    Off,
+}
+
+impl FromStr for DirectMode {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(DirectMode::Auto),
+            "on" | "1" | "true" => Ok(DirectMode::On),
+            "off" | "0" | "false" => Ok(DirectMode::Off),
+            other => Err(Error::Config(format!(
+                "direct mode {other:?}: expected auto, on or off"
+            ))),
+        }
+    }
+}
+
+/// Most copy ranks (the primary and its mirrors) a shard may have.
+pub const MAX_COPY_RANKS: usize = 8;
 
 /// How a read's chunks are spread over the copies of its shard.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, serde::Serialize)]
@@ -153,9 +183,9 @@ impl ModelConfig {
     /// `WEIGHTSTREAM_MIRROR`, `WEIGHTSTREAM_DISK_WEIGHTS`, `WEIGHTSTREAM_ROUTE`
     /// and `WEIGHTSTREAM_DIRECT`; lists are `;`- or `,`-separated.
     pub fn from_env() -> Result<Self> {
-        let primary = env_var("WEIGHTSTREAM_MODEL")
-            .ok_or_else(|| Error::Config("WEIGHTSTREAM_MODEL is not set (the primary model directory)".into()))?;
-        ModelConfig::new(primary.trim()).settings(env_var)
+        let primary = env::get(env::MODEL)
+            .ok_or_else(|| Error::Config(format!("{} is not set (the primary model directory)", env::MODEL)))?;
+        ModelConfig::new(primary.trim()).settings(env::get)
     }
 
     /// Applies `WEIGHTSTREAM_MODEL_DIRS`, `_MIRROR`, `_DISK_WEIGHTS`, `_ROUTE`
@@ -164,170 +194,23 @@ impl ModelConfig {
     /// variables). Unset or blank values leave the field as it is.
     pub fn settings(mut self, get: impl Fn(&str) -> Option<String>) -> Result<Self> {
         let get = |k: &str| get(k).filter(|v| !v.trim().is_empty());
-        if let Some(v) = get("WEIGHTSTREAM_MODEL_DIRS") {
+        if let Some(v) = get(env::MODEL_DIRS) {
             self.dirs = split_list(&v).into_iter().map(PathBuf::from).collect();
         }
-        if let Some(v) = get("WEIGHTSTREAM_MIRROR") {
+        if let Some(v) = get(env::MIRROR) {
             self.mirrors = split_list(&v).into_iter().map(PathBuf::from).collect();
         }
-        if let Some(v) = get("WEIGHTSTREAM_DISK_WEIGHTS") {
+        if let Some(v) = get(env::DISK_WEIGHTS) {
             self.weights = v.parse()?;
         }
-        if let Some(v) = get("WEIGHTSTREAM_ROUTE") {
+        if let Some(v) = get(env::ROUTE) {
             self.route = v.parse()?;
         }
-        if let Some(v) = get("WEIGHTSTREAM_DIRECT") {
+        if let Some(v) = get(env::DIRECT) {
             self.direct = v.parse()?;
         }
         Ok(self)
     }
-}
-
-/// A variable of the environment, if set (to anything but blanks).
-pub fn env_var(k: &str) -> Option<String> {
-    std::env::var(k).ok().filter(|v| !v.trim().is_empty())
-}
-
-/// What a directory is for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RootRole {
-    Primary,
-    Split,
-    Mirror,
-}
-
-impl RootRole {
-    pub fn name(self) -> &'static str {
-        match self {
-            RootRole::Primary => "primary",
-            RootRole::Split => "split",
-            RootRole::Mirror => "mirror",
-        }
-    }
-}
-
-/// A validated directory.
-#[derive(Debug, Clone)]
-pub struct Root {
-    /// As the user typed it.
-    pub given: PathBuf,
-    /// Canonical path.
-    pub path: PathBuf,
-    pub role: RootRole,
-    pub dev: u64,
-}
-
-/// Shows a path or file name for people: control characters escaped (so a
-/// refusal can be read and matched against what was typed), and bytes that
-/// are not UTF-8 as `\xNN` (names need not be UTF-8; two names that differ
-/// only in such bytes still show differently, which a lossy display would
-/// not). Identity is never the escaped form: names stay `OsStr`/`Path`.
-pub fn escape(p: impl AsRef<std::ffi::OsStr>) -> String {
-    use std::fmt::Write;
-    use std::os::unix::ffi::OsStrExt;
-    let mut out = String::new();
-    for chunk in p.as_ref().as_bytes().utf8_chunks() {
-        out.extend(chunk.valid().chars().flat_map(char::escape_debug));
-        for b in chunk.invalid() {
-            let _ = write!(out, "\\x{b:02x}");
-        }
-    }
-    out
-}
-
-/// Serialises a path or name as its [`escape`]d text (serde's own
-/// `Path` serialisation fails on names that are not UTF-8).
-pub fn serialize_escaped<T: AsRef<std::ffi::OsStr>, S: serde::Serializer>(v: &T, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_str(&escape(v))
-}
-
-fn refuse(given: &Path, role: RootRole, why: &str) -> Error {
-    Error::Config(format!("{} directory \"{}\": {why}", role.name(), escape(given)))
-}
-
-/// Validates the primary, split and mirror directories: each absolute, an
-/// existing directory, not a symlink, without control characters, not the
-/// primary or inside it (or containing it), not overlapping another entry,
-/// not listed twice. Mirrors on the same filesystem as another copy are
-/// accepted but reported: they add no bandwidth.
-pub fn validate_roots(cfg: &ModelConfig) -> Result<Vec<Root>> {
-    use std::os::unix::fs::MetadataExt;
-    let pmeta = std::fs::metadata(&cfg.primary).map_err(|e| Error::io(&cfg.primary, "open model directory", e))?;
-    if !pmeta.is_dir() {
-        return Err(Error::catalog(&cfg.primary, "not a directory"));
-    }
-    let primary = std::fs::canonicalize(&cfg.primary).map_err(|e| Error::io(&cfg.primary, "resolve", e))?;
-    let mut roots = vec![Root {
-        given: cfg.primary.clone(),
-        path: primary.clone(),
-        role: RootRole::Primary,
-        dev: pmeta.dev(),
-    }];
-    let entries = cfg
-        .dirs
-        .iter()
-        .map(|d| (d, RootRole::Split))
-        .chain(cfg.mirrors.iter().map(|d| (d, RootRole::Mirror)));
-    for (given, role) in entries {
-        let text = given.to_string_lossy();
-        if text.chars().any(char::is_control) {
-            return Err(refuse(given, role, "contains control characters; retype the path"));
-        }
-        if !given.is_absolute() {
-            return Err(refuse(given, role, "is not an absolute path; give the full path"));
-        }
-        let meta = match std::fs::symlink_metadata(given) {
-            Ok(m) => m,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Err(refuse(
-                    given,
-                    role,
-                    "does not exist: reconnect the drive, or remove this entry",
-                ))
-            }
-            Err(e) => return Err(refuse(given, role, &format!("cannot be read: {e}"))),
-        };
-        if meta.file_type().is_symlink() {
-            return Err(refuse(
-                given,
-                role,
-                "is a symbolic link; give the directory it points to",
-            ));
-        }
-        if !meta.is_dir() {
-            return Err(refuse(given, role, "is not a directory"));
-        }
-        let path =
-            std::fs::canonicalize(given).map_err(|e| refuse(given, role, &format!("cannot be resolved: {e}")))?;
-        for r in &roots {
-            if path == r.path {
-                let what = if r.role == RootRole::Primary {
-                    "is the primary directory".to_string()
-                } else {
-                    format!("is listed twice (as \"{}\")", escape(&r.given))
-                };
-                return Err(refuse(given, role, &format!("{what}; remove this entry")));
-            }
-            if path.starts_with(&r.path) || r.path.starts_with(&path) {
-                return Err(refuse(
-                    given,
-                    role,
-                    &format!(
-                        "overlaps the {} directory \"{}\"; give separate directories",
-                        r.role.name(),
-                        escape(&r.given)
-                    ),
-                ));
-            }
-        }
-        roots.push(Root {
-            given: given.clone(),
-            path,
-            role,
-            dev: meta.dev(),
-        });
-    }
-    Ok(roots)
 }
 
 #[cfg(test)]
@@ -348,20 +231,5 @@ mod tests {
         assert!("1,x".parse::<Weights>().is_err());
         assert_eq!("STRIPE".parse::<RoutePolicy>().unwrap(), RoutePolicy::Stripe);
         assert!("fastest".parse::<RoutePolicy>().is_err());
-    }
-
-    #[test]
-    fn escape_shows_control_characters() {
-        assert_eq!(escape(Path::new("/a\nb\tc")), "/a\\nb\\tc");
-    }
-
-    #[test]
-    fn escape_shows_invalid_bytes_distinctly() {
-        use std::os::unix::ffi::OsStrExt;
-        let a = std::ffi::OsStr::from_bytes(b"/m/a\xff.safetensors");
-        let b = std::ffi::OsStr::from_bytes(b"/m/a\xfe.safetensors");
-        assert_eq!(escape(a), "/m/a\\xff.safetensors");
-        assert_ne!(escape(a), escape(b));
-        assert_eq!(escape("caf\u{e9}"), "caf\u{e9}");
     }
 }

@@ -28,7 +28,7 @@ pub fn readahead_default(roots: usize) -> usize {
 
 /// The decoder layer a tensor name belongs to (`...layers.{L}...`), if any.
 pub fn layer_of(name: &str) -> Option<usize> {
-    crate::catalog::index_after(name, "layers.").map(|l| l as usize)
+    crate::format::catalog::index_after(name, "layers.").map(|l| l as usize)
 }
 
 #[cfg(test)]

@@ -1,7 +1,9 @@
-//! A minimal timed O_DIRECT reader: one io_uring, one configuration, for
-//! `Weights::Probe` (the relative read rate of each copy rank). The device
-//! ceiling *sweep* (many configurations, fio, bench) is the `weightstream`
-//! command's; this is only what the library needs to weigh its copies.
+//! `Weights::Probe`: each copy rank's read rate, measured by the first
+//! engine made on a model (the engine owns the drives' I/O; `Model::open`
+//! reads no data), with a minimal timed O_DIRECT reader: one io_uring, one
+//! configuration. The device ceiling *sweep* (many configurations, fio,
+//! bench) is the `weightstream` command's; this is only what the library
+//! needs to weigh its copies.
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -9,7 +11,9 @@ use std::time::Instant;
 
 use io_uring::{opcode, types, IoUring};
 
-use crate::arena::{Arena, SlotSpec};
+use crate::error::escape;
+use crate::memory::{Arena, Slot, SlotSpec};
+use crate::model::Model;
 
 /// Reads up to `bytes_per_drive` from each drive's files (sequential blocks
 /// of `bs` bytes, one file after the other, at most `qd` reads in flight
@@ -47,7 +51,7 @@ pub(crate) fn timed_read(drives: &[Vec<&File>], bs: usize, qd: usize, bytes_per_
     };
     let t0 = Instant::now();
     let (mut inflight, mut bytes, mut failed) = (0usize, 0u64, None);
-    let push = |ring: &mut IoUring, k: usize, slot: &mut crate::arena::Slot, next: &mut dyn FnMut(usize) -> Option<(i32, u64)>| -> bool {
+    let push = |ring: &mut IoUring, k: usize, slot: &mut Slot, next: &mut dyn FnMut(usize) -> Option<(i32, u64)>| -> bool {
         let d = k / qd;
         let Some((fd, off)) = next(d) else { return false };
         let e = opcode::Read::new(types::Fd(fd), slot.as_bytes_mut().as_mut_ptr(), bs as u32)
@@ -94,3 +98,48 @@ pub(crate) fn timed_read(drives: &[Vec<&File>], bs: usize, qd: usize, bytes_per_
     }
     Ok(bytes as f64 / 1e9 / t0.elapsed().as_secs_f64().max(1e-9))
 }
+
+/// Measures each copy rank with a short O_DIRECT read (8 reads of 19 MiB in
+/// flight per drive, 8 x 19 MiB per drive, the rank's drives at once) and
+/// turns GB/s into weights; a failed probe gives equal weights and why
+/// (said once).
+pub(crate) fn probe_weights(model: &Model) -> (Vec<f64>, Option<String>) {
+    let files = model.files();
+    let ranks = model.rank_weights().len();
+    const BS: usize = 19 << 20;
+    const QD: usize = 8;
+    let mut w = Vec::with_capacity(ranks);
+    for r in 0..ranks {
+        // The rank's O_DIRECT descriptors, grouped by drive.
+        let mut drives: Vec<(usize, Vec<&File>)> = Vec::new();
+        let mut missing = None;
+        for f in files.iter().filter(|f| f.rank == r) {
+            let Some(d) = f.direct.as_ref() else {
+                missing = Some(format!("{} has no O_DIRECT descriptor", escape(&f.path)));
+                break;
+            };
+            match drives.iter_mut().find(|g| g.0 == f.drive) {
+                Some(g) => g.1.push(d),
+                None => drives.push((f.drive, vec![d])),
+            }
+        }
+        let groups: Vec<Vec<&File>> = drives.into_iter().map(|g| g.1).collect();
+        let why = match missing {
+            Some(m) => m,
+            None => match timed_read(&groups, BS, QD, (QD * BS) as u64) {
+                Ok(gbps) if gbps > 0.0 => {
+                    w.push(gbps);
+                    continue;
+                }
+                Ok(gbps) => format!("it measured {gbps} GB/s"),
+                Err(e) => e.to_string(),
+            },
+        };
+        let why = format!("weight probe of copy rank {r} failed ({why}); using equal weights");
+        tracing::warn!("{why} (reported as weights_note in the stats)");
+        return (vec![1.0; ranks], Some(why));
+    }
+    tracing::info!("probed weights (GB/s per copy rank): {w:?}");
+    (w, None)
+}
+

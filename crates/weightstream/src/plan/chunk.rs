@@ -3,7 +3,7 @@
 //! use exactly this logic, so they cannot drift apart.
 
 use crate::stats::FallbackCause;
-use crate::window::Window;
+use crate::plan::window::Window;
 
 /// One I/O of a request: `len` bytes of file `file` at `file_off`, landing at
 /// `slot_off` from the slot base.

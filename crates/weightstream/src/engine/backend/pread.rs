@@ -6,11 +6,13 @@
 use std::sync::atomic::Ordering;
 use std::thread::JoinHandle;
 
-use crate::numa::ThreadPlacement;
-use crate::queue::{fail_queued, settle, Io, Job};
-use crate::sync::lock_std as lock;
-use crate::Model;
 use std::sync::Arc;
+
+use crate::engine::backend::pread_chunk;
+use crate::engine::completion::{complete, fail_queued};
+use crate::engine::queue::Io;
+use crate::engine::sync::lock_std as lock;
+use crate::storage::numa::ThreadPlacement;
 
 /// Starts `threads` workers for drive `drive`, each bound by `placement`
 /// before it takes work. Returns once every worker has bound itself, with
@@ -64,7 +66,7 @@ fn worker(io: &Io, lane: usize) {
         match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work(io, lane))) {
             Ok(()) => break,
             Err(payload) => {
-                let what = crate::ring::panic_text(&*payload);
+                let what = crate::engine::backend::ring::panic_text(&*payload);
                 std::mem::forget(payload);
                 q.active.fetch_sub(1, Ordering::Relaxed);
                 tracing::error!(
@@ -106,12 +108,15 @@ fn work(io: &Io, lane: usize) {
         let now = q.active.fetch_add(1, Ordering::Relaxed) + 1;
         drive.counters.inflight_max.fetch_max(now as u64, Ordering::Relaxed);
         loop {
-            let res = pread_chunk(model, &job);
+            // SAFETY: this worker holds the job, and with it the request
+            // that owns the slot, until `complete` settles it; no other
+            // chunk of the request overlaps this one (planned by `chunk`).
+            let res = unsafe { pread_chunk(model, &job) };
             if q.panic_fault.load(Ordering::Relaxed) && q.panic_fault.swap(false, Ordering::Relaxed) {
                 // Test-only (`Engine::inject_fault`), with the chunk in hand.
                 panic!("injected fault: pread worker panic on drive {}", drive.device);
             }
-            match settle(job, res, io, lane) {
+            match complete(job, res, io, lane) {
                 Some(again) => job = again,
                 None => break,
             }
@@ -120,21 +125,3 @@ fn work(io: &Io, lane: usize) {
     }
 }
 
-/// One `pread` of a chunk into its slot: bytes read, or `-errno`.
-pub(crate) fn pread_chunk(model: &Model, job: &Job) -> i32 {
-    let file = &model.files()[job.chunk.file as usize];
-    let fd = match (&file.direct, job.chunk.direct) {
-        (Some(d), true) => d,
-        _ => &file.buffered,
-    };
-    // The slot is owned by `job.req`, which this job keeps alive, and spans
-    // `[base, base + slot_len)`; the chunk lies inside it (planned by
-    // `window`/`chunk`).
-    // SAFETY: in-bounds (above); no other chunk of the request overlaps it,
-    // and the caller cannot reach the slot until the request completes.
-    let buf = unsafe { std::slice::from_raw_parts_mut(job.target.chunk_ptr(&job.chunk), job.chunk.len as usize) };
-    match rustix::io::pread(fd, buf, job.chunk.file_off) {
-        Ok(n) => n as i32,
-        Err(e) => -e.raw_os_error(),
-    }
-}

@@ -1,0 +1,196 @@
+//! How an engine runs: backend, queue depth, chunk size, polling, how
+//! reads are issued, NUMA placement.
+
+use std::str::FromStr;
+
+use crate::config::env;
+use crate::config::RoutePolicy;
+use crate::error::{Error, Result};
+use crate::storage::numa::Provider;
+
+/// Which I/O backend to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BackendChoice {
+    /// io_uring, or the pread backend when io_uring is unavailable (said once).
+    #[default]
+    Auto,
+    /// io_uring only: an error if it is unavailable.
+    Uring,
+    /// The pread worker pool.
+    Pread,
+}
+
+impl FromStr for BackendChoice {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(BackendChoice::Auto),
+            "uring" | "io_uring" | "io-uring" => Ok(BackendChoice::Uring),
+            "pread" => Ok(BackendChoice::Pread),
+            other => Err(Error::Config(format!(
+                "backend {other:?}: expected auto, uring or pread"
+            ))),
+        }
+    }
+}
+
+/// Completion polling: a polled ring busy-polls the device for
+/// completions instead of taking interrupts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum IoPoll {
+    /// Interrupt-driven completions.
+    #[default]
+    Off,
+    /// Polled rings on drives whose queue polls (`queue/io_poll` is 1).
+    Auto,
+    /// Polled rings on every drive, even one whose queue does not poll (its
+    /// completions still arrive by interrupt; the ring polls for them).
+    /// For testing the polled path on any device.
+    Force,
+}
+
+impl FromStr for IoPoll {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "0" | "off" | "false" => Ok(IoPoll::Off),
+            "1" | "on" | "true" | "auto" => Ok(IoPoll::Auto),
+            "force" => Ok(IoPoll::Force),
+            other => Err(Error::Config(format!(
+                "iopoll {other:?}: expected off, auto (on) or force"
+            ))),
+        }
+    }
+}
+
+/// How a drive's reads are issued to the kernel (io_uring backend).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SubmitMode {
+    /// Decided per drive at `Engine::new` by a short probe (eight 64 KiB
+    /// O_DIRECT reads, timed): a drive that completes reads inside the
+    /// submitting call (zram, brd, pmem: the copy runs in `io_uring_enter`)
+    /// gets one ring per CPU of its node (`Rings`), every other drive one
+    /// ring that issues inline.
+    #[default]
+    Auto,
+    /// One ring thread issues each read itself; a device that completes
+    /// asynchronously (NVMe, virtio, loop) runs many at once.
+    Inline,
+    /// `n` ring threads for the drive, its chunks dealt round robin, each
+    /// ring issuing inline: on a device that completes in the submitter,
+    /// each copies its share on its own core.
+    Rings(u32),
+    /// One ring; every read flagged `IOSQE_ASYNC` and issued by io-wq workers
+    /// (at most one per CPU of the drive's node).
+    Async,
+}
+
+impl FromStr for SubmitMode {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        let t = s.trim().to_ascii_lowercase();
+        match t.as_str() {
+            "auto" => Ok(SubmitMode::Auto),
+            "inline" => Ok(SubmitMode::Inline),
+            "async" => Ok(SubmitMode::Async),
+            _ => match t.strip_prefix("rings:").map(|n| n.trim().parse::<u32>()) {
+                Some(Ok(n)) if (1..=64).contains(&n) => Ok(SubmitMode::Rings(n)),
+                _ => Err(Error::Config(format!(
+                    "submit {t:?}: expected auto, inline, async or rings:N (N from 1 to 64)"
+                ))),
+            },
+        }
+    }
+}
+
+/// Engine settings. `Default` suits NVMe; [`EngineConfig::from_env`] reads
+/// `WEIGHTSTREAM_BACKEND`, `WEIGHTSTREAM_QD`, `WEIGHTSTREAM_CHUNK`,
+/// `WEIGHTSTREAM_SQPOLL`, `WEIGHTSTREAM_IOPOLL` and `WEIGHTSTREAM_NUMA`.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub backend: BackendChoice,
+    /// Chunks in flight per drive.
+    pub queue_depth: usize,
+    /// Largest chunk in bytes; default: the device's `max_sectors_kb`,
+    /// clamped to 1-4 MiB.
+    pub chunk: Option<usize>,
+    /// Kernel-side submission polling (costs a core per ring); off by default.
+    pub sqpoll: bool,
+    /// Completion polling (IOPOLL rings): off by default.
+    pub iopoll: IoPoll,
+    /// How reads are issued per drive (io_uring backend): decided by a probe
+    /// by default.
+    pub submit: SubmitMode,
+    /// io-wq's bounded-worker limit per ring when reads are punted
+    /// (default: the number of CPUs of the drive's node, or of the machine).
+    pub iowq_workers: Option<u32>,
+    /// Worker threads per drive for the pread backend.
+    pub pread_threads: usize,
+    /// Route policy for this engine (default: the model's).
+    pub route: Option<RoutePolicy>,
+    /// NUMA placement (default on): each drive's I/O threads bound to the
+    /// drive's cpuset, `arena_on`/`arena_near` bind memory, routing prefers
+    /// local copies. Off: the single-node provider (nothing is bound).
+    pub numa: bool,
+    /// The topology provider; default: [`Provider::from_env`] (live hwloc,
+    /// or `WEIGHTSTREAM_NUMA_XML`).
+    pub numa_provider: Option<Provider>,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            backend: BackendChoice::Auto,
+            queue_depth: 32,
+            chunk: None,
+            sqpoll: false,
+            iopoll: IoPoll::Off,
+            submit: SubmitMode::Auto,
+            iowq_workers: None,
+            pread_threads: 8,
+            route: None,
+            numa: true,
+            numa_provider: None,
+        }
+    }
+}
+
+impl EngineConfig {
+    /// Defaults overridden by the environment.
+    pub fn from_env() -> Result<Self> {
+        let mut c = EngineConfig::default();
+        let var = env::get;
+        if let Some(v) = var(env::BACKEND) {
+            c.backend = v.parse()?;
+        }
+        if let Some(v) = var(env::QD) {
+            c.queue_depth = parse_num(env::QD, &v)?;
+        }
+        if let Some(v) = var(env::CHUNK) {
+            c.chunk = Some(parse_num(env::CHUNK, &v)?);
+        }
+        if let Some(v) = var(env::SQPOLL) {
+            c.sqpoll = matches!(v.trim(), "1" | "on" | "true");
+        }
+        if let Some(v) = var(env::IOPOLL) {
+            c.iopoll = v.parse()?;
+        }
+        if let Some(v) = var(env::SUBMIT) {
+            c.submit = v.parse()?;
+        }
+        if let Some(v) = var(env::IOWQ_WORKERS) {
+            c.iowq_workers = Some(parse_num(env::IOWQ_WORKERS, &v)? as u32);
+        }
+        if let Some(v) = var(env::NUMA) {
+            c.numa = !env::is_off(&v);
+        }
+        Ok(c)
+    }
+}
+
+fn parse_num(what: &str, v: &str) -> Result<usize> {
+    v.trim()
+        .parse()
+        .map_err(|_| Error::Config(format!("{what}={v:?}: expected a positive integer")))
+}
+

@@ -1,0 +1,178 @@
+//! Arenas registered with every ring as fixed buffers: a table of ranges
+//! per engine, registration through each ring's own thread (no lock held
+//! across the round trip), and unregistration when the arena goes.
+
+use std::sync::Arc;
+
+use crate::engine::backend::ring::{MAX_FIXED_BUFFERS, MAX_FIXED_BUFFER_BYTES};
+use crate::engine::completion;
+use crate::engine::queue::Control;
+use crate::engine::start::memlock_limit;
+use crate::engine::sync::lock_std as lock;
+use crate::engine::{Backend, Engine};
+use crate::memory::{Arena, Slot};
+
+/// An arena registered as fixed buffers: `slots_per_buffer` consecutive
+/// slots per registered buffer, starting at table index `first`.
+pub(crate) struct ArenaReg {
+    id: u64,
+    slots_per_buffer: usize,
+    first: u32,
+    n: u32,
+}
+
+pub(crate) struct Registry {
+    pub(crate) arenas: Vec<ArenaReg>,
+    /// Table ranges `(first, n)` free for reuse (their arena was released).
+    pub(crate) holes: Vec<(u32, u32)>,
+    next: u32,
+    pub(crate) unregistered: Option<String>,
+}
+
+impl Registry {
+    pub(crate) fn new(unregistered: Option<String>) -> Self {
+        Registry {
+            arenas: Vec::new(),
+            holes: Vec::new(),
+            next: 0,
+            unregistered,
+        }
+    }
+
+    /// A free range of `n` table entries: a hole first-fit, else the end.
+    fn alloc(&mut self, n: u32) -> Option<u32> {
+        if let Some(i) = self.holes.iter().position(|h| h.1 >= n) {
+            let (first, len) = self.holes[i];
+            if len == n {
+                self.holes.remove(i);
+            } else {
+                self.holes[i] = (first + n, len - n);
+            }
+            return Some(first);
+        }
+        (self.next + n <= MAX_FIXED_BUFFERS).then(|| {
+            self.next += n;
+            self.next - n
+        })
+    }
+}
+
+impl Engine {
+    pub(crate) fn maybe_register(&self, arena: &Arena) {
+        if matches!(self.backend, Backend::Uring) && self.fixed_buffers_ok {
+            self.register(arena);
+        }
+    }
+
+    /// Registers `arena` with every running ring. No lock is held while a
+    /// ring thread is asked (a ring thread may itself need the registry: an
+    /// arena's release hook runs wherever its last slot is dropped).
+    fn register(&self, arena: &Arena) {
+        let slot_len = arena.slot_len();
+        let refuse = |why: String| {
+            let mut reg = lock(&self.registry);
+            if reg.unregistered.is_none() {
+                tracing::warn!("arena of {} bytes not registered as fixed buffers: {why}; its reads use plain Read (counted as chunks_unregistered)", arena.len() * slot_len);
+            }
+            reg.unregistered = Some(why);
+        };
+        if slot_len > MAX_FIXED_BUFFER_BYTES {
+            return refuse(format!(
+                "a slot of {slot_len} bytes exceeds the 1 GiB fixed-buffer limit"
+            ));
+        }
+        let per = (MAX_FIXED_BUFFER_BYTES / slot_len).max(1);
+        let n = arena.len().div_ceil(per) as u32;
+        let Some(first) = lock(&self.registry).alloc(n) else {
+            return refuse(format!("the fixed-buffer table ({MAX_FIXED_BUFFERS} entries) is full"));
+        };
+        let iovecs: Vec<_> = (0..n as usize)
+            .map(|k| {
+                let first_slot = k * per;
+                arena.slots_range(first_slot, per.min(arena.len() - first_slot))
+            })
+            .collect();
+        let mut took = Vec::with_capacity(self.io.queues.len());
+        for (i, q) in self.io.queues.iter().enumerate() {
+            let (tx, rx) = std::sync::mpsc::channel();
+            let pushed = q.push_control(Control::RegisterBuffers {
+                first,
+                iovecs: iovecs.clone(),
+                reply: tx,
+            });
+            if pushed.is_err() {
+                continue; // a stopped drive: no read goes there any more
+            }
+            let failed = match rx.recv() {
+                Ok(Ok(())) => {
+                    took.push(i);
+                    None
+                }
+                Ok(Err(e)) if e.to_string() == completion::DRIVE_CLOSED => None,
+                Err(_) => None, // the thread stopped without answering
+                Ok(Err(e)) if e.raw_os_error() == Some(libc::ENOMEM) => {
+                    let (soft, _) = memlock_limit();
+                    let need_kib = ((arena.len() * slot_len).div_ceil(1024) * self.drives.len()) as u64;
+                    Some(format!(
+                        "registering {} bytes failed with ENOMEM: RLIMIT_MEMLOCK is {}; raise it (`ulimit -l {}` or more, in KiB) or run with CAP_IPC_LOCK",
+                        arena.len() * slot_len,
+                        soft.map_or("unlimited".to_string(), |s| format!("{s} bytes")),
+                        need_kib + soft.unwrap_or(0) / 1024
+                    ))
+                }
+                Ok(Err(e)) => Some(format!("register_buffers_update: {e}")),
+            };
+            if let Some(why) = failed {
+                // Undo the rings that took it, and give the range back.
+                for &j in &took {
+                    let _ = self.io.queues[j].push_control(Control::UnregisterBuffers { first, n });
+                }
+                lock(&self.registry).holes.push((first, n));
+                return refuse(why);
+            }
+        }
+        lock(&self.registry).arenas.push(ArenaReg {
+            id: arena.id(),
+            slots_per_buffer: per,
+            first,
+            n,
+        });
+        // When the arena goes, empty its entries in every ring (unpinning the
+        // pages and returning the locked-memory charge) and free the range.
+        // Control messages run in order per ring, so a later registration of
+        // the same range always follows the unregistration. This may run on
+        // a ring thread (its last slot dropped there): it holds the registry
+        // only while it queues the unregistrations (no waiting), and nobody
+        // holds the registry while waiting for a ring.
+        let registry = Arc::downgrade(&self.registry);
+        let queues: Vec<_> = self.io.queues.iter().map(Arc::downgrade).collect();
+        let id = arena.id();
+        let origin = self.origin;
+        arena.on_release(move || {
+            if origin.forked() {
+                return; // a child has no rings, and the registry lock may be held forever
+            }
+            let Some(registry) = registry.upgrade() else { return };
+            let mut reg = lock(&registry);
+            let Some(i) = reg.arenas.iter().position(|a| a.id == id) else {
+                return;
+            };
+            let a = reg.arenas.swap_remove(i);
+            // Queued before the range is free again, so in every ring this
+            // unregistration precedes any later registration of the range.
+            for q in queues.iter().filter_map(|q| q.upgrade()) {
+                let _ = q.push_control(Control::UnregisterBuffers { first: a.first, n: a.n });
+            }
+            reg.holes.push((a.first, a.n));
+        });
+    }
+
+    pub(crate) fn buf_index(&self, slot: &Slot) -> Option<u16> {
+        if !matches!(self.backend, Backend::Uring) {
+            return None;
+        }
+        let reg = lock(&self.registry);
+        let a = reg.arenas.iter().find(|a| a.id == slot.arena_id())?;
+        Some((a.first as usize + slot.index() / a.slots_per_buffer) as u16)
+    }
+}

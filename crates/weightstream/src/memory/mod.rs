@@ -1,0 +1,8 @@
+//! The memory payloads land in: page-aligned arenas carved into slots
+//! (scratch before the payload so the O_DIRECT window starts at the slot
+//! base), `MADV_DONTFORK`, optionally bound to a NUMA node.
+
+pub(crate) mod arena;
+
+pub use arena::{dontfork_failures, hugepage_refusals, Arena, Slot, SlotSpec};
+pub(crate) use arena::SlotRange;

@@ -1,0 +1,223 @@
+//! A model opened for reading: its catalog, every copy of every shard opened
+//! twice (O_DIRECT and buffered), and the drives the copies live on.
+//!
+//! Shards are found along a search path (the primary directory, then the
+//! split directories in order; the first directory holding a basename wins).
+//! Mirrors add copies: a mirror's file is accepted only if its size and its
+//! whole header (length prefix included) equal the primary's, otherwise it
+//! is refused with the reason and the primary keeps serving that shard.
+
+use std::sync::{Arc, OnceLock};
+
+use crate::config::{DirectMode, RoutePolicy};
+use crate::error::{Error, Result};
+use crate::format::catalog::{Catalog, TensorRef};
+use crate::memory::SlotSpec;
+use crate::stats::{self, DriveStats, Stats};
+use crate::storage::files::{Drive, ShardFile};
+
+mod open;
+mod roots;
+mod verify;
+
+pub use open::CopyReport;
+pub use verify::{FileVerdict, VerifyReport};
+
+/// A model ready to read. Cloning is cheap (shared); an engine keeps a clone
+/// so its threads can reach the open files.
+#[derive(Debug, Clone)]
+pub struct Model {
+    inner: Arc<ModelInner>,
+}
+
+/// The read weight of each copy rank: as configured, or probed once.
+#[derive(Debug)]
+struct Weighting {
+    configured: Vec<f64>,
+    /// [`Weights::Probe`](crate::Weights::Probe): measured by the first engine.
+    probe: bool,
+    /// (weights, why they are not what was asked for), once measured.
+    probed: OnceLock<(Vec<f64>, Option<String>)>,
+}
+
+#[derive(Debug)]
+struct ModelInner {
+    catalog: Catalog,
+    /// Primary copies first (file index = shard index), then mirror copies.
+    files: Vec<ShardFile>,
+    /// Per shard: its copies' file indices, by rank (primary first).
+    copies: Vec<Vec<usize>>,
+    drives: Vec<Drive>,
+    direct: DirectMode,
+    route: RoutePolicy,
+    /// Read weight per copy rank (primary, mirror 1, ...).
+    weights: Weighting,
+    /// Expert-major group key per tensor (by catalog index), for `hash`.
+    keys: Vec<u64>,
+    report: Vec<CopyReport>,
+}
+
+impl Model {
+    pub fn catalog(&self) -> &Catalog {
+        &self.inner.catalog
+    }
+
+    pub fn files(&self) -> &[ShardFile] {
+        &self.inner.files
+    }
+
+    pub fn drives(&self) -> &[Drive] {
+        &self.inner.drives
+    }
+
+    pub fn direct_mode(&self) -> DirectMode {
+        self.inner.direct
+    }
+
+    /// Per shard: the file indices of its copies, primary first.
+    pub fn copies(&self, shard: usize) -> &[usize] {
+        &self.inner.copies[shard]
+    }
+
+    pub fn route(&self) -> RoutePolicy {
+        self.inner.route
+    }
+
+    /// Read weight of each copy rank (primary, mirror 1, ...).
+    ///
+    /// With [`Weights::Probe`](crate::Weights::Probe): equal until the first
+    /// [`Engine`](crate::Engine) made on this model has measured them.
+    pub fn rank_weights(&self) -> &[f64] {
+        let w = &self.inner.weights;
+        w.probed.get().map_or(&w.configured, |p| &p.0)
+    }
+
+    /// Why the weights are not what was asked for (a failed probe).
+    pub fn weights_note(&self) -> Option<&str> {
+        self.inner.weights.probed.get().and_then(|p| p.1.as_deref())
+    }
+
+    /// The weights are to be probed and no engine has measured them yet.
+    pub(crate) fn weights_to_probe(&self) -> bool {
+        let w = &self.inner.weights;
+        w.probe && w.probed.get().is_none()
+    }
+
+    /// Records probed weights (the first engine's; later ones are ignored).
+    pub(crate) fn set_probed_weights(&self, weights: Vec<f64>, note: Option<String>) {
+        let _ = self.inner.weights.probed.set((weights, note));
+    }
+
+    /// The group key `hash` routing uses for a tensor: the flat expert index
+    /// `layer * experts_per_layer + expert` for `layers.{L}...experts.{E}`
+    /// names, else the tensor's catalog index.
+    pub fn group_key(&self, tensor: &TensorRef) -> u64 {
+        self.inner
+            .keys
+            .get(tensor.index)
+            .copied()
+            .unwrap_or(tensor.index as u64)
+    }
+
+    /// Every copy considered: accepted (with its drive) or refused (with why).
+    pub fn copy_report(&self) -> &[CopyReport] {
+        &self.inner.report
+    }
+
+    /// Looks a tensor up by name.
+    pub fn tensor(&self, name: &str) -> Result<&TensorRef> {
+        self.inner.catalog.tensor(name)
+    }
+
+    /// The slot alignment every shard of this model is satisfied by.
+    pub fn required_align(&self) -> usize {
+        self.inner
+            .files
+            .iter()
+            .map(|f| (f.topo.dio_offset_align.max(f.topo.dio_mem_align) as usize).max(4096))
+            .max()
+            .unwrap_or(4096)
+    }
+
+    /// A slot spec that holds the largest tensor whose name contains
+    /// `filter` ("" for every tensor), aligned for every shard.
+    pub fn slot_spec_for_largest(&self, filter: &str) -> SlotSpec {
+        SlotSpec::new(self.inner.catalog.largest(filter).unwrap_or(0).max(1) as usize).with_align(self.required_align())
+    }
+
+    /// The open shard holding `tensor`, after checking that `tensor` is this
+    /// model's own (a `TensorRef` of another model could name a shard index
+    /// and range that fit here and read the wrong bytes).
+    pub(crate) fn file_of(&self, tensor: &TensorRef) -> Result<&ShardFile> {
+        match self.inner.catalog.tensors().get(tensor.index) {
+            Some(own) if own == tensor => Ok(&self.inner.files[tensor.shard]),
+            _ => Err(Error::NoSuchTensor(format!(
+                "{} (this tensor reference belongs to another model than {})",
+                tensor.name,
+                self.inner.catalog.dir().display()
+            ))),
+        }
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> Stats {
+        let drives: Vec<DriveStats> = self
+            .inner
+            .drives
+            .iter()
+            .map(|d| {
+                let c = &d.counters;
+                let ld = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+                DriveStats {
+                    device: d.device.clone(),
+                    mount: d.mount.clone(),
+                    fs_type: d.fs_type.clone(),
+                    dio_align: d.dio_align,
+                    direct_open: d.direct_open,
+                    bytes: ld(&c.bytes),
+                    bytes_direct: ld(&c.bytes_direct),
+                    bytes_buffered: ld(&c.bytes_buffered),
+                    reads_direct: ld(&c.reads_direct),
+                    reads_buffered: ld(&c.reads_buffered),
+                    fallbacks: stats::snapshot_fallbacks(c),
+                    inflight_max: ld(&c.inflight_max),
+                    chunks_unregistered: ld(&c.chunks_unregistered),
+                    chunks: ld(&c.chunks),
+                    failovers: ld(&c.failovers),
+                    share: 0.0,
+                    throughput_gbps: None,
+                    ring: None,
+                    numa_node: None,
+                    cpuset: None,
+                    numa_source: None,
+                    numa_note: None,
+                    thread_binding: None,
+                    cross_node_bytes: ld(&c.cross_node_bytes),
+                    chunks_abandoned: ld(&c.chunks_abandoned),
+                    submit: None,
+                    rings: None,
+                    submit_reason: None,
+                    iowq_max_workers: None,
+                    stopped: None,
+                }
+            })
+            .collect();
+        let total: u64 = drives.iter().map(|d| d.bytes).sum();
+        let mut drives = drives;
+        for d in &mut drives {
+            d.share = d.bytes as f64 / total.max(1) as f64;
+        }
+        Stats {
+            backend: "sync",
+            backend_reason: None,
+            rank_weights: self.rank_weights().to_vec(),
+            weights_note: self.weights_note().map(str::to_string),
+            arena_dontfork_failures: crate::memory::dontfork_failures(),
+            bytes: drives.iter().map(|d| d.bytes).sum(),
+            fixed_files: None,
+            registered_buffers: None,
+            drives,
+        }
+    }
+}
+

@@ -1,0 +1,123 @@
+//! The directories a model is opened from, validated before anything is
+//! opened: absolute, existing, not a link, no control characters, distinct
+//! volumes and no overlap.
+
+use std::path::{Path, PathBuf};
+
+use crate::config::ModelConfig;
+use crate::error::{escape, Error, Result};
+
+/// What a directory is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RootRole {
+    Primary,
+    Split,
+    Mirror,
+}
+
+impl RootRole {
+    pub fn name(self) -> &'static str {
+        match self {
+            RootRole::Primary => "primary",
+            RootRole::Split => "split",
+            RootRole::Mirror => "mirror",
+        }
+    }
+}
+
+/// A validated directory.
+#[derive(Debug, Clone)]
+pub struct Root {
+    /// As the user typed it.
+    pub given: PathBuf,
+    /// Canonical path.
+    pub path: PathBuf,
+    pub role: RootRole,
+}
+
+fn refuse(given: &Path, role: RootRole, why: &str) -> Error {
+    Error::Config(format!("{} directory \"{}\": {why}", role.name(), escape(given)))
+}
+
+/// Validates the primary, split and mirror directories: each absolute, an
+/// existing directory, not a symlink, without control characters, not the
+/// primary or inside it (or containing it), not overlapping another entry,
+/// not listed twice. Mirrors on the same filesystem as another copy are
+/// accepted but reported: they add no bandwidth.
+pub fn validate_roots(cfg: &ModelConfig) -> Result<Vec<Root>> {
+    let pmeta = std::fs::metadata(&cfg.primary).map_err(|e| Error::io(&cfg.primary, "open model directory", e))?;
+    if !pmeta.is_dir() {
+        return Err(Error::catalog(&cfg.primary, "not a directory"));
+    }
+    let primary = std::fs::canonicalize(&cfg.primary).map_err(|e| Error::io(&cfg.primary, "resolve", e))?;
+    let mut roots = vec![Root {
+        given: cfg.primary.clone(),
+        path: primary.clone(),
+        role: RootRole::Primary,
+    }];
+    let entries = cfg
+        .dirs
+        .iter()
+        .map(|d| (d, RootRole::Split))
+        .chain(cfg.mirrors.iter().map(|d| (d, RootRole::Mirror)));
+    for (given, role) in entries {
+        let text = given.to_string_lossy();
+        if text.chars().any(char::is_control) {
+            return Err(refuse(given, role, "contains control characters; retype the path"));
+        }
+        if !given.is_absolute() {
+            return Err(refuse(given, role, "is not an absolute path; give the full path"));
+        }
+        let meta = match std::fs::symlink_metadata(given) {
+            Ok(m) => m,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(refuse(
+                    given,
+                    role,
+                    "does not exist: reconnect the drive, or remove this entry",
+                ))
+            }
+            Err(e) => return Err(refuse(given, role, &format!("cannot be read: {e}"))),
+        };
+        if meta.file_type().is_symlink() {
+            return Err(refuse(
+                given,
+                role,
+                "is a symbolic link; give the directory it points to",
+            ));
+        }
+        if !meta.is_dir() {
+            return Err(refuse(given, role, "is not a directory"));
+        }
+        let path =
+            std::fs::canonicalize(given).map_err(|e| refuse(given, role, &format!("cannot be resolved: {e}")))?;
+        for r in &roots {
+            if path == r.path {
+                let what = if r.role == RootRole::Primary {
+                    "is the primary directory".to_string()
+                } else {
+                    format!("is listed twice (as \"{}\")", escape(&r.given))
+                };
+                return Err(refuse(given, role, &format!("{what}; remove this entry")));
+            }
+            if path.starts_with(&r.path) || r.path.starts_with(&path) {
+                return Err(refuse(
+                    given,
+                    role,
+                    &format!(
+                        "overlaps the {} directory \"{}\"; give separate directories",
+                        r.role.name(),
+                        escape(&r.given)
+                    ),
+                ));
+            }
+        }
+        roots.push(Root {
+            given: given.clone(),
+            path,
+            role,
+        });
+    }
+    Ok(roots)
+}
+

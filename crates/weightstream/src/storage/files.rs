@@ -1,0 +1,208 @@
+//! The shard files of an opened model: every copy of every shard, opened
+//! buffered and (where the filesystem allows) O_DIRECT, with what the file
+//! was at open (its identity) and the volume (drive) it lives on.
+
+use std::fs::File;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use crate::error::escape;
+use crate::stats::DriveCounters;
+use crate::storage::topology::FileTopology;
+
+/// One shard, opened.
+#[derive(Debug)]
+pub struct ShardFile {
+    pub path: PathBuf,
+    /// Size the header was validated against.
+    pub size: u64,
+    pub buffered: File,
+    /// The O_DIRECT descriptor, if the filesystem accepted one.
+    pub direct: Option<File>,
+    /// Why there is no O_DIRECT descriptor.
+    pub direct_refused: Option<String>,
+    pub topo: FileTopology,
+    /// Index into [`Model::drives`].
+    pub drive: usize,
+    /// The shard this file is a copy of (index into the catalog's shards).
+    pub shard: usize,
+    /// Copy rank: 0 for the primary (or split) copy, k for mirror directory k.
+    pub rank: usize,
+    /// What the file was when it was opened (from `fstat` of the open
+    /// descriptor): re-checked by [`ShardFile::changed_since_open`] when a
+    /// read fails, and by [`Model::verify`].
+    pub identity: FileIdentity,
+    /// A failover away from this copy has been warned about.
+    pub(crate) failover_warned: AtomicBool,
+    /// A change after open has been warned about.
+    pub(crate) change_warned: AtomicBool,
+}
+
+/// Who a file is and what it looked like: `(st_dev, st_ino)` name the
+/// inode; `size` and `ctime` change when it is written, truncated or
+/// extended in place (ctime also on metadata changes: chmod, link count).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct FileIdentity {
+    pub dev: u64,
+    pub ino: u64,
+    pub size: u64,
+    pub ctime_sec: i64,
+    pub ctime_nsec: i64,
+}
+
+impl FileIdentity {
+    pub(crate) fn of(st: &rustix::fs::Stat) -> Self {
+        FileIdentity {
+            dev: st.st_dev,
+            ino: st.st_ino,
+            size: st.st_size as u64,
+            ctime_sec: st.st_ctime,
+            ctime_nsec: st.st_ctime_nsec as i64,
+        }
+    }
+}
+
+/// One thing found changed about an opened file (see [`Model::verify`]).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Change {
+    /// The path no longer exists (reads still see the file as opened).
+    Removed,
+    /// The path names another inode now: replaced, e.g. by a rename (reads
+    /// still see the file as opened).
+    Replaced { was: (u64, u64), now: (u64, u64) },
+    /// The size differs.
+    Size { was: u64, now: u64 },
+    /// The ctime differs: written in place, truncated, or its metadata changed.
+    Ctime,
+    /// The header bytes differ from the ones validated at open (`at`: the
+    /// first differing byte, when known).
+    Header { at: Option<u64> },
+    /// Tensor payloads differ from `against` (the primary copy, or a record).
+    Digest { against: String, tensors: Vec<String> },
+    /// Not in the model now, or not in the record compared against.
+    Unlisted { cause: String },
+    /// The check itself failed (fstat, stat, a read).
+    Unreadable { cause: String },
+}
+
+impl std::fmt::Display for Change {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Change::Removed => write!(f, "removed (the path no longer exists)"),
+            Change::Replaced { was, now } => write!(
+                f,
+                "replaced (inode changed: {}:{} -> {}:{})",
+                was.0, was.1, now.0, now.1
+            ),
+            Change::Size { was, now } => write!(f, "size {was} -> {now}"),
+            Change::Ctime => write!(
+                f,
+                "ctime changed (written in place, truncated, or its metadata changed)"
+            ),
+            Change::Header { at: Some(at) } => write!(f, "header bytes differ (first difference at byte {at})"),
+            Change::Header { at: None } => write!(f, "header bytes differ"),
+            Change::Digest { against, tensors } => {
+                let n = tensors.len();
+                let shown: Vec<&str> = tensors.iter().take(8).map(String::as_str).collect();
+                write!(
+                    f,
+                    "payload differs from {against} in {n} tensor(s): {}{}",
+                    shown.join(", "),
+                    if n > shown.len() { ", ..." } else { "" }
+                )
+            }
+            Change::Unlisted { cause } => f.write_str(cause),
+            Change::Unreadable { cause } => write!(f, "cannot be checked: {cause}"),
+        }
+    }
+}
+
+impl ShardFile {
+    /// What changed since open, from one `fstat` of the open descriptor
+    /// (size, ctime) and one `stat` of the path (removed, replaced).
+    /// Cheap: no data is read, so a same-size rewrite shows only as a ctime
+    /// change, and its bytes are compared only by [`Model::verify`] with
+    /// `digest`.
+    pub fn identity_changes(&self) -> Vec<Change> {
+        let id = &self.identity;
+        let mut out = Vec::new();
+        match rustix::fs::fstat(&self.buffered) {
+            Ok(st) => {
+                let now = FileIdentity::of(&st);
+                if now.size != id.size {
+                    out.push(Change::Size {
+                        was: id.size,
+                        now: now.size,
+                    });
+                }
+                if (now.ctime_sec, now.ctime_nsec) != (id.ctime_sec, id.ctime_nsec) {
+                    out.push(Change::Ctime);
+                }
+            }
+            Err(e) => out.push(Change::Unreadable {
+                cause: format!("fstat: {e}"),
+            }),
+        }
+        match rustix::fs::stat(&self.path) {
+            Ok(st) if (st.st_dev, st.st_ino) != (id.dev, id.ino) => out.push(Change::Replaced {
+                was: (id.dev, id.ino),
+                now: (st.st_dev, st.st_ino),
+            }),
+            Ok(_) => {}
+            Err(rustix::io::Errno::NOENT) => out.push(Change::Removed),
+            Err(e) => out.push(Change::Unreadable {
+                cause: format!("stat: {e}"),
+            }),
+        }
+        out
+    }
+
+    /// `"changed after open: size 123 -> 456, ctime changed ..."` when the
+    /// cheap check ([`ShardFile::identity_changes`]) finds a change.
+    pub fn changed_since_open(&self) -> Option<String> {
+        let c = self.identity_changes();
+        if c.is_empty() {
+            return None;
+        }
+        let parts: Vec<String> = c.iter().map(Change::to_string).collect();
+        Some(format!("changed after open: {}", parts.join(", ")))
+    }
+
+    /// A failed or short read's cause, with the change after open appended
+    /// when there is one (warned once per file). The engine calls this when
+    /// a chunk fails on this copy (`queue::settle`).
+    pub(crate) fn explain_failure(&self, failure: String) -> String {
+        let Some(change) = self.changed_since_open() else {
+            return failure;
+        };
+        if !self.change_warned.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                "{}: {change}: its catalog (offsets, sizes) is from the file as opened; reopen the model to read \
+                 the file as it is now (`weightstream verify` names every change; warned once per file)",
+                escape(&self.path)
+            );
+        }
+        format!("{failure}; {change}")
+    }
+}
+
+/// One volume (`st_dev`) holding shards.
+#[derive(Debug)]
+pub struct Drive {
+    pub dev: u64,
+    pub device: String,
+    pub mount: PathBuf,
+    pub fs_type: String,
+    /// Largest O_DIRECT offset alignment among its files.
+    pub dio_align: u32,
+    pub direct_open: bool,
+    pub counters: DriveCounters,
+}
+
+/// Drops the page-cache pages of a range read buffered: weights are read once
+/// per step and must not crowd out the engine's memory.
+pub(crate) fn drop_pages(file: &File, off: u64, len: u64) {
+    // Advisory: a failure costs only cache, never bytes.
+    let _ = rustix::fs::fadvise(file, off, std::num::NonZeroU64::new(len), rustix::fs::Advice::DontNeed);
+}
