@@ -35,13 +35,13 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use weightstream::{Arena, SlotSpec};
-use weightstream::TensorRef;
 use crate::ceiling::{self, process_cpu_seconds, CeilingReport, SweepConfig};
-use weightstream::{BackendChoice, Engine, EngineConfig};
 use crate::error::{Error, Result};
-use weightstream::RoutePolicy;
 use weightstream::Model;
+use weightstream::RoutePolicy;
+use weightstream::TensorRef;
+use weightstream::{Arena, SlotSpec};
+use weightstream::{BackendChoice, Engine, EngineConfig};
 
 /// One way of reading the experts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
@@ -462,13 +462,13 @@ pub fn page_cache_bytes() -> i64 {
 pub fn evict(model: &Model) -> bool {
     let mut cold = true;
     for f in model.files() {
-        let _ = rustix::fs::fadvise(&f.buffered, 0, None, rustix::fs::Advice::DontNeed);
+        let _ = rustix::fs::fadvise(f.buffered(), 0, None, rustix::fs::Advice::DontNeed);
         let pages = f.size / 4096;
         let mut buf = [0u8; 1];
         for k in 0..64u64 {
             let off = pages * k / 64 * 4096;
             let r = rustix::io::preadv2(
-                &f.buffered,
+                f.buffered(),
                 &mut [IoSliceMut::new(&mut buf)],
                 off,
                 rustix::io::ReadWriteFlags::NOWAIT,
@@ -560,18 +560,18 @@ fn run_arm(
             t
         }
         Arm::Engine | Arm::EngineRoute(_) | Arm::Pread => {
-            let ecfg = EngineConfig {
-                backend: if arm == Arm::Pread {
+            let ecfg = cfg
+                .engine
+                .clone()
+                .backend(if arm == Arm::Pread {
                     BackendChoice::Pread
                 } else {
                     BackendChoice::Uring
-                },
-                route: match arm {
+                })
+                .route(match arm {
                     Arm::EngineRoute(r) => Some(r),
                     _ => cfg.engine.route,
-                },
-                ..cfg.engine.clone()
-            };
+                });
             let engine = Engine::new(model, ecfg)?;
             let spec = model.slot_spec_for_largest(&cfg.filter);
             let arena = engine.arena(spec, cfg.concurrency.max(1))?;
@@ -727,7 +727,7 @@ fn thread_reads(
                 // SAFETY: the shards are opened read-only and weightstream
                 // never writes them; a concurrent writer outside this process
                 // would make any reader see torn bytes, mmap or not.
-                unsafe { memmap2::Mmap::map(&f.buffered) }.map_err(|e| Error::io(&f.path, "mmap", e))
+                unsafe { memmap2::Mmap::map(f.buffered()) }.map_err(|e| Error::io(&f.path, "mmap", e))
             })
             .collect::<Result<_>>()?
     } else {
@@ -753,7 +753,7 @@ fn thread_reads(
                         if arm == Arm::Buffered {
                             let file = &model.files()[t.shard];
                             let buf = &mut heap[..len];
-                            file.buffered
+                            file.buffered()
                                 .read_exact_at(buf, t.offset)
                                 .map_err(|e| Error::io(&file.path, "buffered read", e))?;
                             dst.copy_from_slice(buf);

@@ -6,10 +6,10 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use clap::{Parser, Subcommand};
-use sha2::{Digest, Sha256};
 use bench::{Arm, BenchConfig};
 use ceiling::{Buffers, ReadConfig, Submit, SweepConfig};
+use clap::{Parser, Subcommand};
+use sha2::{Digest, Sha256};
 use weightstream::escape;
 use weightstream::{Arena, DirectMode, Engine, EngineConfig, Model, ModelConfig};
 use weightstream_synth::{self as synth, SynthSpec};
@@ -556,7 +556,7 @@ fn inspect(dir: PathBuf, layout: &LayoutArgs, numa: Option<&str>, json: bool) ->
             "dio_offset_align": f.topo.dio_offset_align,
             "dio_mem_align": f.topo.dio_mem_align,
             "align_source": f.topo.align_source,
-            "direct_opens": f.direct.is_some(),
+            "direct_opens": f.direct().is_some(),
             "direct_refused": f.direct_refused,
         })
     };
@@ -636,7 +636,7 @@ fn inspect(dir: PathBuf, layout: &LayoutArgs, numa: Option<&str>, json: bool) ->
                 f.topo.dio_offset_align,
                 f.topo.dio_mem_align,
                 f.topo.align_source,
-                match (&f.direct, &f.direct_refused) {
+                match (f.direct(), &f.direct_refused) {
                     (Some(_), _) => "opens".to_string(),
                     (None, Some(why)) => format!("no ({why})"),
                     (None, None) => "no".to_string(),
@@ -975,10 +975,7 @@ fn bench_cmd(
             "{} experts, concurrency {}, median of {} runs; ceiling {:.2} GB/s",
             r.tensors, r.concurrency, r.runs, r.ceiling_gbps
         );
-        std::fs::write(
-            p,
-            plot::bars_svg(&title, "GB/s", &bars, Some(r.ceiling_gbps)),
-        )?;
+        std::fs::write(p, plot::bars_svg(&title, "GB/s", &bars, Some(r.ceiling_gbps)))?;
     }
     if json {
         println!("{}", serde_json::to_string_pretty(&r)?);

@@ -224,7 +224,7 @@ fn symlinked_shards_like_a_hugging_face_cache_are_read() {
             assert_eq!(&read(&model, name), bytes, "{name} via {mode:?}");
         }
         if mode == DirectMode::On {
-            assert!(model.files().iter().all(|f| f.direct.is_some()));
+            assert!(model.files().iter().all(|f| f.direct().is_some()));
             assert!(model.stats().reads_direct() > 0, "{:?}", model.stats());
         }
     }

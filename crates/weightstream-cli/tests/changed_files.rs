@@ -158,14 +158,7 @@ fn truncated_then_re_extended_is_named_by_verify_and_by_the_failed_read() {
         let (path, _, bytes) = shard(dir, 2);
         let size = bytes.len() as u64;
         let model = Model::open(ModelConfig::new(dir)).unwrap();
-        let engine = Engine::new(
-            &model,
-            EngineConfig {
-                backend: backend.parse().unwrap(),
-                ..EngineConfig::default()
-            },
-        )
-        .unwrap();
+        let engine = Engine::new(&model, EngineConfig::default().backend(backend.parse().unwrap())).unwrap();
         tick();
         let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
         f.set_len(size / 2).unwrap();

@@ -35,8 +35,8 @@ use std::ffi::{OsStr, OsString};
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
-use weightstream::__internal::split_list;
 use weightstream::__internal as route;
+use weightstream::__internal::split_list;
 use weightstream::__internal::Window;
 use weightstream::{Model, ModelConfig, RoutePolicy, Weights};
 
@@ -240,7 +240,7 @@ fn chunks_of(m: &Model, t: &weightstream::TensorRef, direct: bool) -> u64 {
     let chunk = (CHUNK.max(align) / align) * align;
     let size = m.files()[t.shard].size;
     let w = Window::plan(t.offset, t.len, size, align as u64, false).unwrap();
-    let can_direct = direct && m.copies(t.shard).iter().any(|&f| m.files()[f].direct.is_some());
+    let can_direct = direct && m.copies(t.shard).iter().any(|&f| m.files()[f].direct().is_some());
     let w = if can_direct { w } else { w.buffered() };
     (w.direct.div_ceil(chunk) + w.tail.div_ceil(chunk)) as u64
 }

@@ -284,10 +284,7 @@ fn child(dir: &Path) {
         "the child runs unprivileged"
     );
     let model = Model::open(ModelConfig::new(dir)).unwrap();
-    let cfg = EngineConfig {
-        backend: BackendChoice::Uring,
-        ..EngineConfig::default()
-    };
+    let cfg = EngineConfig::default().backend(BackendChoice::Uring);
     let engine = Engine::new(&model, cfg).unwrap();
     let spec = model.slot_spec_for_largest("");
     let t = &model.catalog().tensors()[0];

@@ -507,15 +507,7 @@ fn mirror_files_are_opened_read_only_and_never_written() {
             continue;
         }
         let model = Model::open(ModelConfig::new(&fx.primary).mirrors([&m]).route(RoutePolicy::Stripe)).unwrap();
-        let engine = Engine::new(
-            &model,
-            EngineConfig {
-                backend: choice,
-                chunk: Some(4096),
-                ..EngineConfig::default()
-            },
-        )
-        .unwrap();
+        let engine = Engine::new(&model, EngineConfig::default().backend(choice).chunk(Some(4096))).unwrap();
         let fds = fds_under(&m);
         let accepted = names.len() - 1;
         assert!(fds.len() >= accepted, "{backend}: {fds:?}");

@@ -327,13 +327,13 @@ fn shards_are_not_left_non_blocking() {
     shard(&dir.join("a.safetensors"), "a", 100, 1);
     let model = Model::open(ModelConfig::new(dir)).unwrap();
     for f in model.files() {
-        let fl = rustix::fs::fcntl_getfl(&f.buffered).unwrap();
+        let fl = rustix::fs::fcntl_getfl(f.buffered()).unwrap();
         assert!(
             !fl.contains(rustix::fs::OFlags::NONBLOCK),
             "{}: {fl:?}",
             f.path.display()
         );
-        if let Some(d) = &f.direct {
+        if let Some(d) = f.direct() {
             let fl = rustix::fs::fcntl_getfl(d).unwrap();
             assert!(
                 !fl.contains(rustix::fs::OFlags::NONBLOCK),

@@ -8,8 +8,8 @@
 
 mod common;
 
-use weightstream_synth as synth;
 use weightstream::{Arena, Engine, EngineConfig, Model, ModelConfig, RoutePolicy};
+use weightstream_synth as synth;
 
 /// A small synthetic model on the build's volume with a full mirror on
 /// /dev/shm (a second drive); `None` (SKIP) without a second volume.
@@ -67,10 +67,7 @@ fn largest(model: &Model) -> usize {
 fn configs() -> Vec<EngineConfig> {
     common::engine_backends()
         .into_iter()
-        .map(|b| EngineConfig {
-            backend: b.parse().unwrap(),
-            ..EngineConfig::default()
-        })
+        .map(|b| EngineConfig::default().backend(b.parse().unwrap()))
         .collect()
 }
 
@@ -83,7 +80,7 @@ fn numa_off_is_single_node_and_reads_verify() {
         return;
     };
     for base in configs() {
-        let engine = Engine::new(&fx.model, EngineConfig { numa: false, ..base }).unwrap();
+        let engine = Engine::new(&fx.model, base.numa(false)).unwrap();
         assert_eq!(engine.numa_provider().name(), "single-node");
         for p in engine.placements() {
             assert_eq!(p.locality.node, None, "{p:?}");
@@ -216,10 +213,7 @@ mod with_hwloc {
         let spec = weightstream::SlotSpec::new(largest(&fx.model));
         for base in configs() {
             let backend = base.backend;
-            let config = EngineConfig {
-                numa_provider: Some(provider.clone()),
-                ..base
-            };
+            let config = base.numa_provider(Some(provider.clone()));
             let engine = Engine::new(&fx.model, config.clone()).unwrap();
             let p = engine.placements();
             assert_eq!(p[0].locality.node, Some(0), "{:?}: {p:?}", backend);

@@ -26,9 +26,9 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use weightstream::__internal::Window;
 use weightstream::__internal::{chunk_count, chunk_on_result, chunk_split, Chunk, Credits, DriveLoad, Request};
 use weightstream::__internal::{cuts, hash_pick, stripe_pick};
-use weightstream::__internal::Window;
 
 /// A typical MoE expert's payload: 19918080 bytes (just under 19 MiB).
 const EXPERT_LEN: u64 = 19_918_080;

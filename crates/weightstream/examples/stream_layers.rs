@@ -14,8 +14,8 @@ use std::path::PathBuf;
 
 use safetensors::tensor::{Dtype, View};
 use weightstream::layer_placement;
-use weightstream_synth as synth;
 use weightstream::{Engine, EngineConfig, Model, ModelConfig};
+use weightstream_synth as synth;
 
 const SEED: u64 = 7;
 

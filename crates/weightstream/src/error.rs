@@ -23,7 +23,10 @@ pub fn escape(p: impl AsRef<std::ffi::OsStr>) -> String {
 
 /// Serialises a path or name as its [`escape`]d text (serde's own
 /// `Path` serialisation fails on names that are not UTF-8).
-pub fn serialize_escaped<T: AsRef<std::ffi::OsStr>, S: serde::Serializer>(v: &T, s: S) -> Result<S::Ok, S::Error> {
+pub(crate) fn serialize_escaped<T: AsRef<std::ffi::OsStr>, S: serde::Serializer>(
+    v: &T,
+    s: S,
+) -> Result<S::Ok, S::Error> {
     s.serialize_str(&escape(v))
 }
 
@@ -32,91 +35,160 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Why a shard header was refused.
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum HeaderError {
+    /// The file cannot hold the 8-byte length.
     #[error("file is {size} bytes, too small to hold the 8-byte header length")]
-    TooSmallForLength { size: u64 },
+    TooSmallForLength {
+        /// The file's size.
+        size: u64,
+    },
+    /// The header length is 0.
     #[error("header length is 0")]
     LengthZero,
+    /// The header length is over [`MAX_HEADER_LEN`](crate::MAX_HEADER_LEN).
     #[error("header length {len} exceeds the {max}-byte limit")]
-    LengthTooLarge { len: u64, max: u64 },
+    LengthTooLarge {
+        /// The length read.
+        len: u64,
+        /// The limit.
+        max: u64,
+    },
+    /// The header runs past the end of the file.
     #[error("header length {len} runs past end of file ({size} bytes)")]
-    LengthPastEof { len: u64, size: u64 },
+    LengthPastEof {
+        /// The length read.
+        len: u64,
+        /// The file's size.
+        size: u64,
+    },
+    /// The header does not start with `{`.
     #[error("header does not start with '{{' (first byte 0x{first:02x})")]
-    NotAnObject { first: u8 },
+    NotAnObject {
+        /// Its first byte.
+        first: u8,
+    },
+    /// The header is not UTF-8 (the decoder's message).
     #[error("header is not valid UTF-8: {0}")]
     Utf8(String),
+    /// The JSON table is not a valid safetensors table (what is wrong).
     #[error("header is not a valid safetensors table: {0}")]
     Invalid(String),
+    /// Header and data do not add up to the file's size.
     #[error("8 + header ({header_len}) + data ({data_len}) = {expected} bytes, but the file is {size} bytes")]
     SizeMismatch {
+        /// The header's length.
         header_len: u64,
+        /// The data section's length (the last tensor's end).
         data_len: u64,
+        /// What the file's size should be.
         expected: u64,
+        /// The file's size.
         size: u64,
     },
 }
 
 /// The crate's error type.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// A system call on a file failed.
     #[error("{}: {op}: {source}", escape(path))]
     Io {
+        /// The file.
         path: PathBuf,
+        /// The operation (`open`, `statx`, `buffered read`, ...).
         op: &'static str,
+        /// Why.
         #[source]
         source: std::io::Error,
     },
     /// A shard's header was refused; nothing was read from its data.
     #[error("{}: refused safetensors header: {cause}", escape(path))]
-    Header { path: PathBuf, cause: HeaderError },
+    Header {
+        /// The shard.
+        path: PathBuf,
+        /// Why.
+        cause: HeaderError,
+    },
     /// A model directory or index is inconsistent.
     #[error("{}: {cause}", escape(path))]
-    Catalog { path: PathBuf, cause: String },
+    Catalog {
+        /// The directory, file or index.
+        path: PathBuf,
+        /// What is wrong.
+        cause: String,
+    },
     /// A requested range is not inside the file: untrusted container.
     #[error(
         "{}: range [{start}, {end}) is outside the file ({size} bytes): untrusted container",
         escape(path)
     )]
     OutOfRange {
+        /// The shard.
         path: PathBuf,
+        /// Start of the range.
         start: u64,
+        /// End of the range (exclusive).
         end: u64,
+        /// The file's size.
         size: u64,
     },
     /// The file ended before a read inside its validated size completed.
     #[error("{}: {op}: end of file at byte {at} while reading [{start}, {end}); was the file truncated after it was opened?", escape(path))]
     UnexpectedEof {
+        /// The shard.
         path: PathBuf,
+        /// The operation.
         op: &'static str,
+        /// Start of the read.
         start: u64,
+        /// End of the read (exclusive).
         end: u64,
+        /// Where the file ended.
         at: u64,
     },
     /// A chunk of a tensor's read failed on every copy of its shard (with
     /// one copy: that copy's error). `causes` names each copy tried and why.
     #[error("tensor {tensor}: bytes [{start}, {end}): {}{causes}", if *.copies > 1 { format!("every copy failed ({} copies): ", .copies) } else { "read failed: ".to_string() })]
     ReadFailed {
+        /// The tensor.
         tensor: String,
+        /// File offset of the failed chunk.
         start: u64,
+        /// Its end (exclusive).
         end: u64,
         /// Copies of the shard the read could use.
         copies: usize,
+        /// Each copy tried and why it failed.
         causes: String,
     },
     /// A drive's I/O thread is gone (it stopped after a fault, or the
     /// engine is shutting down): reads that need it fail at once.
     #[error("drive {device}: {reason}")]
-    DriveStopped { device: String, reason: String },
+    DriveStopped {
+        /// The drive's device name.
+        device: String,
+        /// Why it stopped.
+        reason: String,
+    },
     /// An engine (or a ticket of one) was used in a process forked from the
     /// one that made it: its I/O threads and arenas exist only in the parent.
     #[error("weightstream engine used in a forked child (pid {child}; made in pid {parent}): its I/O threads and arenas exist only in the parent; open a new Engine in the child")]
-    Forked { parent: u32, child: u32 },
+    Forked {
+        /// The process that made the engine.
+        parent: u32,
+        /// This process.
+        child: u32,
+    },
     /// The slot handed to a read cannot hold the tensor.
     #[error("tensor {tensor}: slot too small ({need} payload bytes, slot capacity {capacity})")]
     SlotTooSmall {
+        /// The tensor.
         tensor: String,
+        /// Its payload bytes.
         need: usize,
+        /// The slot's capacity.
         capacity: usize,
     },
     /// No tensor of that name in the model.

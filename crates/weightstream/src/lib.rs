@@ -16,23 +16,60 @@
 //!
 //! Nothing below imports anything above it (`ci/layers` checks it). See
 //! `docs/architecture.md` for the contracts each module keeps.
+//!
+//! # Example
+//!
+//! Open a model (here a one-shard model written by hand), start an engine,
+//! read a tensor into a slot of an arena, and use the payload in place:
+//!
+//! ```
+//! use weightstream::{Engine, EngineConfig, Model, ModelConfig};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! // A safetensors shard: 8-byte header length, JSON header, data.
+//! let dir = std::env::temp_dir().join(format!("weightstream-doc-{}", std::process::id()));
+//! std::fs::create_dir_all(&dir)?;
+//! let header = br#"{"w":{"dtype":"U8","shape":[5000],"data_offsets":[0,5000]}}"#;
+//! let mut shard = (header.len() as u64).to_le_bytes().to_vec();
+//! shard.extend_from_slice(header);
+//! shard.extend((0..5000u32).map(|i| (i % 251) as u8));
+//! std::fs::write(dir.join("model.safetensors"), &shard)?;
+//!
+//! let model = Model::open(ModelConfig::new(&dir))?;
+//! let engine = Engine::new(&model, EngineConfig::default())?;
+//! let tensor = model.tensor("w")?;
+//! let arena = engine.arena(model.slot_spec_for_largest(""), 4)?;
+//! let loaded = engine.read(tensor, arena.take().unwrap())?.wait()?;
+//! assert_eq!(loaded.len(), 5000);
+//! assert!(loaded.iter().enumerate().all(|(i, &b)| b == (i % 251) as u8));
+//! arena.give_back(loaded.into_slot());
+//! # drop(engine);
+//! # std::fs::remove_dir_all(&dir)?;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! The same read without threads or rings: `model.read_sync(tensor, slot)`.
+//! Configuration also comes from the environment
+//! ([`ModelConfig::from_env`], [`EngineConfig::from_env`], the table in
+//! [`env`](mod@env)).
 
 #![warn(missing_docs, unreachable_pub)]
 
 #[cfg(not(target_os = "linux"))]
 compile_error!("weightstream is Linux-only: it needs O_DIRECT, statx(STATX_DIOALIGN) and io_uring");
 
+mod config;
+mod engine;
 mod error;
 mod fork;
-mod stats;
-mod storage;
 mod format;
 pub mod layer_placement;
-mod config;
 mod memory;
-mod plan;
 mod model;
-mod engine;
+mod plan;
+mod stats;
+mod storage;
 
 pub use config::{env, BackendChoice, DirectMode, EngineConfig, IoPoll, ModelConfig, RoutePolicy, SubmitMode, Weights};
 pub use engine::{DrivePlacement, Engine, Fault, Loaded, ShutdownReport, Ticket};
@@ -44,9 +81,9 @@ pub use memory::{dontfork_failures, hugepage_refusals, Arena, Slot, SlotSpec};
 pub use model::{CopyReport, FileVerdict, Model, VerifyReport};
 pub use stats::{DriveStats, FallbackCause, Feature, Stats};
 pub use storage::files::{Change, Drive, FileIdentity, ShardFile};
-pub use storage::numa::{Locality, Provider, SingleNode, TopologyProvider};
 #[cfg(feature = "numa")]
 pub use storage::numa::Hwloc;
+pub use storage::numa::{Locality, Provider, SingleNode, TopologyProvider};
 pub use storage::open::open_direct;
 pub use storage::topology::{AlignSource, FileTopology};
 

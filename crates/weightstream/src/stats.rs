@@ -29,6 +29,7 @@ pub enum FallbackCause {
 }
 
 impl FallbackCause {
+    /// Every cause, in counter order.
     pub const ALL: [FallbackCause; 7] = [
         FallbackCause::DirectOpenRefused,
         FallbackCause::SlotMisaligned,
@@ -39,6 +40,7 @@ impl FallbackCause {
         FallbackCause::DirectError,
     ];
 
+    /// The cause's name in the stats (`direct_open_refused`, ...).
     pub fn name(self) -> &'static str {
         match self {
             FallbackCause::DirectOpenRefused => "direct_open_refused",
@@ -62,34 +64,34 @@ const N_CAUSES: usize = FallbackCause::ALL.len();
 
 /// Live counters of one drive.
 #[derive(Debug, Default)]
-pub struct DriveCounters {
-    pub bytes: AtomicU64,
-    pub bytes_direct: AtomicU64,
-    pub bytes_buffered: AtomicU64,
-    pub reads_direct: AtomicU64,
-    pub reads_buffered: AtomicU64,
+pub(crate) struct DriveCounters {
+    pub(crate) bytes: AtomicU64,
+    pub(crate) bytes_direct: AtomicU64,
+    pub(crate) bytes_buffered: AtomicU64,
+    pub(crate) reads_direct: AtomicU64,
+    pub(crate) reads_buffered: AtomicU64,
     /// Most chunks in flight at once on this drive.
-    pub inflight_max: AtomicU64,
+    pub(crate) inflight_max: AtomicU64,
     /// Chunks that landed.
-    pub chunks: AtomicU64,
+    pub(crate) chunks: AtomicU64,
     /// Chunks that failed on a copy here and moved to another copy.
-    pub failovers: AtomicU64,
+    pub(crate) failovers: AtomicU64,
     /// Chunks issued as plain reads because their slot's arena is not
     /// registered with the ring.
-    pub chunks_unregistered: AtomicU64,
+    pub(crate) chunks_unregistered: AtomicU64,
     /// Payload bytes read from this drive into a slot whose arena is bound
     /// to another NUMA node (both nodes known).
-    pub cross_node_bytes: AtomicU64,
+    pub(crate) cross_node_bytes: AtomicU64,
     /// Chunks given up while the kernel still held them (the drive's I/O
     /// thread stopped): their slots are leaked, never reused.
-    pub chunks_abandoned: AtomicU64,
+    pub(crate) chunks_abandoned: AtomicU64,
     fallbacks: [AtomicU64; N_CAUSES],
     logged: [AtomicBool; N_CAUSES],
 }
 
 impl DriveCounters {
     /// Counts a fallback and logs it the first time this drive sees `cause`.
-    pub fn fallback(&self, drive: &str, file: &Path, cause: FallbackCause, detail: &dyn std::fmt::Display) {
+    pub(crate) fn fallback(&self, drive: &str, file: &Path, cause: FallbackCause, detail: &dyn std::fmt::Display) {
         let i = cause as usize;
         self.fallbacks[i].fetch_add(1, Relaxed);
         if !self.logged[i].swap(true, Relaxed) {
@@ -101,11 +103,11 @@ impl DriveCounters {
         }
     }
 
-    pub fn fallback_count(&self, cause: FallbackCause) -> u64 {
+    pub(crate) fn fallback_count(&self, cause: FallbackCause) -> u64 {
         self.fallbacks[cause as usize].load(Relaxed)
     }
 
-    pub fn add(counter: &AtomicU64, n: u64) {
+    pub(crate) fn add(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Relaxed);
     }
 }
@@ -113,20 +115,35 @@ impl DriveCounters {
 /// A snapshot of one drive's counters.
 #[derive(Debug, Clone, Serialize)]
 pub struct DriveStats {
+    /// The drive's device name (`nvme0n1`, `vda`, `loop3`).
     pub device: String,
+    /// Its mount point.
     pub mount: PathBuf,
+    /// Its filesystem type.
     pub fs_type: String,
+    /// The largest O_DIRECT offset alignment of its files.
     pub dio_align: u32,
+    /// Whether every file on it opened O_DIRECT.
     pub direct_open: bool,
+    /// Payload bytes read from it.
     pub bytes: u64,
+    /// ... of which O_DIRECT.
     pub bytes_direct: u64,
+    /// ... of which buffered.
     pub bytes_buffered: u64,
+    /// Reads that used O_DIRECT on this drive (counted once per read and drive).
     pub reads_direct: u64,
+    /// Reads that went wholly buffered on this drive.
     pub reads_buffered: u64,
+    /// Fallbacks to buffered reads, by cause name (only causes seen).
     pub fallbacks: BTreeMap<&'static str, u64>,
+    /// Most chunks in flight at once.
     pub inflight_max: u64,
+    /// Chunks issued as plain reads because their arena is not registered.
     pub chunks_unregistered: u64,
+    /// Chunks that landed.
     pub chunks: u64,
+    /// Chunks that failed here and moved to another copy.
     pub failovers: u64,
     /// This drive's share of all payload bytes read.
     pub share: f64,
@@ -174,14 +191,17 @@ pub struct DriveStats {
 /// Whether an optional kernel feature is in use, and why not.
 #[derive(Debug, Clone, Serialize)]
 pub struct Feature {
+    /// Whether the feature is in use.
     pub enabled: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
+    /// Why not.
     pub reason: Option<String>,
 }
 
 /// A snapshot of a model's counters.
 #[derive(Debug, Clone, Serialize)]
 pub struct Stats {
+    /// The backend: `sync`, `uring` or `pread`.
     pub backend: &'static str,
     /// Read weight of each copy rank (primary, mirror 1, ...).
     pub rank_weights: Vec<f64>,
@@ -194,23 +214,30 @@ pub struct Stats {
     /// Why this backend (when it was not the first choice).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub backend_reason: Option<String>,
+    /// Payload bytes read, all drives.
     pub bytes: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
+    /// Whether the rings use fixed files (io_uring engines).
     pub fixed_files: Option<Feature>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    /// Whether arenas are registered as fixed buffers (engines).
     pub registered_buffers: Option<Feature>,
+    /// Per drive.
     pub drives: Vec<DriveStats>,
 }
 
 impl Stats {
+    /// Fallbacks of every cause on every drive.
     pub fn fallbacks_total(&self) -> u64 {
         self.drives.iter().flat_map(|d| d.fallbacks.values()).sum()
     }
 
+    /// Reads that used O_DIRECT, all drives.
     pub fn reads_direct(&self) -> u64 {
         self.drives.iter().map(|d| d.reads_direct).sum()
     }
 
+    /// Reads that went wholly buffered, all drives.
     pub fn reads_buffered(&self) -> u64 {
         self.drives.iter().map(|d| d.reads_buffered).sum()
     }

@@ -32,9 +32,9 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::thread::Thread;
 use std::time::{Duration, Instant};
 
-use weightstream_synth::{self as synth, SynthSpec};
 use weightstream::__internal::Window;
 use weightstream::{Arena, BackendChoice, DirectMode, Engine, EngineConfig, Model, ModelConfig, SlotSpec, TensorRef};
+use weightstream_synth::{self as synth, SynthSpec};
 
 const BACKENDS: [BackendChoice; 2] = [BackendChoice::Uring, BackendChoice::Pread];
 
@@ -103,24 +103,17 @@ impl Fixture {
 /// About a thousand 4 KiB chunks per read, all queued at once (the caller
 /// never blocks on credits), worked off one at a time by the pread pool.
 fn deep(backend: BackendChoice) -> EngineConfig {
-    EngineConfig {
-        backend,
-        queue_depth: 4096,
-        chunk: Some(4096),
-        pread_threads: 1,
-        ..EngineConfig::default()
-    }
+    EngineConfig::default()
+        .backend(backend)
+        .queue_depth(4096)
+        .chunk(Some(4096))
 }
 
-/// One 4 KiB chunk in flight at a time.
 fn shallow(backend: BackendChoice) -> EngineConfig {
-    EngineConfig {
-        backend,
-        queue_depth: 1,
-        chunk: Some(4096),
-        pread_threads: 1,
-        ..EngineConfig::default()
-    }
+    EngineConfig::default()
+        .backend(backend)
+        .queue_depth(1)
+        .chunk(Some(4096))
 }
 
 fn engine(model: &Model, cfg: EngineConfig) -> Engine {
@@ -407,11 +400,9 @@ fn slot_of_an_arena_the_engine_did_not_make_reads_and_is_counted() {
             .filter(|t| !t.name.contains(".experts."))
             .cloned(),
     );
-    let cfg = EngineConfig {
-        backend: BackendChoice::Uring,
-        chunk: Some(1 << 20),
-        ..EngineConfig::default()
-    };
+    let cfg = EngineConfig::default()
+        .backend(BackendChoice::Uring)
+        .chunk(Some(1 << 20));
     let engine = engine(&fx.model, cfg);
     let spec = fx.spec_for(tensors[0].len);
     let registered = engine.arena(spec, 1).unwrap();
@@ -574,10 +565,7 @@ fn failed_read_slot_is_home_when_the_error_is_returned() {
     let engines: Vec<Engine> = BACKENDS
         .iter()
         .map(|&b| {
-            let cfg = EngineConfig {
-                chunk: Some(1 << 20),
-                ..deep(b)
-            };
+            let cfg = deep(b).chunk(Some(1 << 20));
             engine(&fx.model, cfg)
         })
         .collect();

@@ -15,8 +15,8 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use weightstream_synth::{self as synth, SynthSpec};
 use weightstream::{Arena, BackendChoice, Engine, EngineConfig, Model, ModelConfig, TensorRef, Ticket};
+use weightstream_synth::{self as synth, SynthSpec};
 
 const THREADS: usize = 4;
 const SLOTS: usize = 16;
@@ -157,14 +157,8 @@ fn stress(backend: BackendChoice) {
     let model = Model::open(ModelConfig::new(&dir)).unwrap();
     let tensors: Vec<TensorRef> = model.catalog().tensors().to_vec();
     assert!(tensors.len() >= 20);
-    let cfg = EngineConfig {
-        backend,
-        queue_depth: 16,
-        // Several chunks per expert, one for the small tensors.
-        chunk: Some(256 << 10),
-        pread_threads: 4,
-        ..EngineConfig::default()
-    };
+    let cfg = EngineConfig::default().backend(backend).queue_depth(16).// Several chunks per expert(// Several chunks per expert).one for the small tensors.
+        chunk(Some(256 << 10)).pread_threads(4);
     let engine = Engine::new(&model, cfg).unwrap();
     let name = engine.backend_name();
     assert_eq!(

@@ -25,8 +25,8 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use weightstream::__internal as route;
-use weightstream_synth::{self as synth, SynthSpec};
 use weightstream::{BackendChoice, Engine, EngineConfig, Error, Model, ModelConfig, RoutePolicy, TensorRef};
+use weightstream_synth::{self as synth, SynthSpec};
 
 struct Fixture {
     _tmp: tempfile::TempDir,
@@ -78,15 +78,7 @@ fn backends() -> Vec<(&'static str, BackendChoice)> {
 
 fn open(primary: &Path, mirror: &Path, route: RoutePolicy, backend: BackendChoice) -> (Model, Engine) {
     let model = Model::open(ModelConfig::new(primary).mirrors([mirror]).route(route)).expect("open model");
-    let engine = Engine::new(
-        &model,
-        EngineConfig {
-            backend,
-            chunk: Some(4096),
-            ..EngineConfig::default()
-        },
-    )
-    .expect("start engine");
+    let engine = Engine::new(&model, EngineConfig::default().backend(backend).chunk(Some(4096))).expect("start engine");
     (model, engine)
 }
 

@@ -21,10 +21,10 @@ use std::time::{Duration, Instant};
 
 use common::SimDrives;
 use weightstream::Fault;
-use weightstream_synth::{self as synth, SynthSpec};
 use weightstream::{
     Arena, BackendChoice, Engine, EngineConfig, Error, IoPoll, Model, ModelConfig, SlotSpec, TensorRef,
 };
+use weightstream_synth::{self as synth, SynthSpec};
 
 const SCRIBBLE: u8 = 0xAA;
 
@@ -65,13 +65,11 @@ fn spec_for(model: &Model, t: &TensorRef) -> SlotSpec {
 }
 
 fn config(backend: BackendChoice, depth: usize, chunk: usize) -> EngineConfig {
-    EngineConfig {
-        backend,
-        queue_depth: depth,
-        chunk: Some(chunk),
-        pread_threads: 2,
-        ..EngineConfig::default()
-    }
+    EngineConfig::default()
+        .backend(backend)
+        .queue_depth(depth)
+        .chunk(Some(chunk))
+        .pread_threads(2)
 }
 
 fn backends() -> Vec<BackendChoice> {
@@ -503,10 +501,7 @@ fn chunks_a_broken_ring_never_submitted_fail_over_to_the_mirror() {
     within(Duration::from_secs(60), "enter failures with a mirror", move || {
         let engine = Engine::new(
             &m,
-            EngineConfig {
-                route: Some(weightstream::RoutePolicy::Hash),
-                ..config(BackendChoice::Uring, 64, 1 << 20)
-            },
+            config(BackendChoice::Uring, 64, 1 << 20).route(Some(weightstream::RoutePolicy::Hash)),
         )
         .unwrap();
         let arena = engine.arena(spec_for(&m, &ex[0]), ex.len()).unwrap();
@@ -562,14 +557,7 @@ fn an_idle_polled_ring_sleeps() {
     let s = write_model(&dir);
     let model = Model::open(ModelConfig::new(&dir)).unwrap();
     let ex = experts(&model);
-    let engine = Engine::new(
-        &model,
-        EngineConfig {
-            iopoll: IoPoll::Force,
-            ..config(BackendChoice::Uring, 32, 1 << 20)
-        },
-    )
-    .unwrap();
+    let engine = Engine::new(&model, config(BackendChoice::Uring, 32, 1 << 20).iopoll(IoPoll::Force)).unwrap();
     assert!(engine.stats().drives[0]
         .ring
         .as_deref()

@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use common::SimDrives;
 use weightstream::Fault;
-use weightstream_synth::{self as synth, SynthSpec};
 use weightstream::{BackendChoice, Engine, EngineConfig, Model, ModelConfig, SubmitMode};
+use weightstream_synth::{self as synth, SynthSpec};
 
 fn spec() -> SynthSpec {
     SynthSpec {
@@ -78,14 +78,7 @@ fn a_drive_that_completes_inline_gets_a_ring_per_cpu_and_the_same_bytes() {
     assert!(engine.stats().drives[0].chunks > 0);
     // Forced modes give the same bytes.
     for mode in [SubmitMode::Inline, SubmitMode::Async, SubmitMode::Rings(3)] {
-        let e = Engine::new(
-            &model,
-            EngineConfig {
-                submit: mode,
-                ..EngineConfig::default()
-            },
-        )
-        .unwrap();
+        let e = Engine::new(&model, EngineConfig::default().submit(mode)).unwrap();
         read_all(&e, &model, s.seed);
         let d = &e.stats().drives[0];
         match mode {
@@ -115,11 +108,9 @@ fn a_drive_with_several_rings_survives_one_of_them() {
     let model = Model::open(ModelConfig::new(&dir)).unwrap();
     let engine = Engine::new(
         &model,
-        EngineConfig {
-            backend: BackendChoice::Uring,
-            submit: SubmitMode::Rings(2),
-            ..EngineConfig::default()
-        },
+        EngineConfig::default()
+            .backend(BackendChoice::Uring)
+            .submit(SubmitMode::Rings(2)),
     )
     .unwrap();
     engine.inject_fault(0, Fault::PanicIoThread);

@@ -12,8 +12,8 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use weightstream_synth::SynthSpec;
 use weightstream::{BackendChoice, Engine, EngineConfig, Error, Model, ModelConfig, SlotSpec};
+use weightstream_synth::SynthSpec;
 
 /// Child exit codes, one per check, so the parent can say which failed.
 const OK: i32 = 0;
@@ -82,12 +82,10 @@ fn an_engine_in_a_forked_child_refuses_work_and_drops_cleanly() {
     for backend in backends {
         let engine = Engine::new(
             &model,
-            EngineConfig {
-                backend,
-                queue_depth: 4096,
-                chunk: Some(4096),
-                ..EngineConfig::default()
-            },
+            EngineConfig::default()
+                .backend(backend)
+                .queue_depth(4096)
+                .chunk(Some(4096)),
         )
         .unwrap();
         let t = model

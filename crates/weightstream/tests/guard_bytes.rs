@@ -224,7 +224,7 @@ fn one_read(fx: &Fixture, model: &Model, mode: DirectMode, fs: Fs, case: &Case, 
     }
     let shard = &model.files()[t.shard];
     let capable = mode != DirectMode::Off
-        && shard.direct.is_some()
+        && shard.direct().is_some()
         && align.is_multiple_of(shard.topo.dio_offset_align as u64)
         && (slot.base() as usize).is_multiple_of(shard.topo.dio_mem_align as usize);
     let slot_len = slot.len();
@@ -374,7 +374,7 @@ fn run_matrix(fx: &Fixture, fs: Fs) -> usize {
         if fs == Fs::DirectCapable && mode != DirectMode::Off {
             for f in model.files() {
                 assert!(
-                    f.direct.is_some(),
+                    f.direct().is_some(),
                     "{}: no O_DIRECT descriptor: {:?}",
                     f.path.display(),
                     f.direct_refused

@@ -71,4 +71,3 @@ pub fn run_with_env(args: &[&std::ffi::OsStr], env: &[(&str, &std::ffi::OsStr)])
     }
     cmd.args(args).output().expect("run the weightstream binary")
 }
-

@@ -107,7 +107,9 @@ impl FromStr for SubmitMode {
 /// `WEIGHTSTREAM_BACKEND`, `WEIGHTSTREAM_QD`, `WEIGHTSTREAM_CHUNK`,
 /// `WEIGHTSTREAM_SQPOLL`, `WEIGHTSTREAM_IOPOLL` and `WEIGHTSTREAM_NUMA`.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct EngineConfig {
+    /// Which I/O backend reads (io_uring, or the pread pool).
     pub backend: BackendChoice,
     /// Chunks in flight per drive.
     pub queue_depth: usize,
@@ -132,7 +134,7 @@ pub struct EngineConfig {
     /// drive's cpuset, `arena_on`/`arena_near` bind memory, routing prefers
     /// local copies. Off: the single-node provider (nothing is bound).
     pub numa: bool,
-    /// The topology provider; default: [`Provider::from_env`] (live hwloc,
+    /// The topology provider; default: `Provider::from_env` (live hwloc,
     /// or `WEIGHTSTREAM_NUMA_XML`).
     pub numa_provider: Option<Provider>,
 }
@@ -156,6 +158,72 @@ impl Default for EngineConfig {
 }
 
 impl EngineConfig {
+    /// Sets the backend.
+    pub fn backend(mut self, backend: BackendChoice) -> Self {
+        self.backend = backend;
+        self
+    }
+
+    /// Sets the chunks in flight per drive.
+    pub fn queue_depth(mut self, queue_depth: usize) -> Self {
+        self.queue_depth = queue_depth;
+        self
+    }
+
+    /// Sets the largest chunk (`None`: from the device).
+    pub fn chunk(mut self, chunk: Option<usize>) -> Self {
+        self.chunk = chunk;
+        self
+    }
+
+    /// Turns kernel-side submission polling on or off.
+    pub fn sqpoll(mut self, sqpoll: bool) -> Self {
+        self.sqpoll = sqpoll;
+        self
+    }
+
+    /// Sets completion polling.
+    pub fn iopoll(mut self, iopoll: IoPoll) -> Self {
+        self.iopoll = iopoll;
+        self
+    }
+
+    /// Sets how reads are issued per drive.
+    pub fn submit(mut self, submit: SubmitMode) -> Self {
+        self.submit = submit;
+        self
+    }
+
+    /// Sets io-wq's worker bound when reads are punted.
+    pub fn iowq_workers(mut self, iowq_workers: Option<u32>) -> Self {
+        self.iowq_workers = iowq_workers;
+        self
+    }
+
+    /// Sets the pread workers per drive.
+    pub fn pread_threads(mut self, pread_threads: usize) -> Self {
+        self.pread_threads = pread_threads;
+        self
+    }
+
+    /// Sets the route policy (`None`: the model's).
+    pub fn route(mut self, route: Option<RoutePolicy>) -> Self {
+        self.route = route;
+        self
+    }
+
+    /// Turns NUMA placement on or off.
+    pub fn numa(mut self, numa: bool) -> Self {
+        self.numa = numa;
+        self
+    }
+
+    /// Sets the topology provider (`None`: from the environment).
+    pub fn numa_provider(mut self, numa_provider: Option<Provider>) -> Self {
+        self.numa_provider = numa_provider;
+        self
+    }
+
     /// Defaults overridden by the environment.
     pub fn from_env() -> Result<Self> {
         let mut c = EngineConfig::default();
@@ -193,4 +261,3 @@ fn parse_num(what: &str, v: &str) -> Result<usize> {
         .parse()
         .map_err(|_| Error::Config(format!("{what}={v:?}: expected a positive integer")))
 }
-

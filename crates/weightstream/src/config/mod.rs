@@ -8,4 +8,5 @@ pub mod env;
 pub(crate) mod model;
 
 pub use engine::{BackendChoice, EngineConfig, IoPoll, SubmitMode};
-pub use model::{split_list, DirectMode, ModelConfig, RoutePolicy, Weights, MAX_COPY_RANKS};
+pub(crate) use model::MAX_COPY_RANKS;
+pub use model::{split_list, DirectMode, ModelConfig, RoutePolicy, Weights};

@@ -39,7 +39,7 @@ impl FromStr for DirectMode {
 }
 
 /// Most copy ranks (the primary and its mirrors) a shard may have.
-pub const MAX_COPY_RANKS: usize = 8;
+pub(crate) const MAX_COPY_RANKS: usize = 8;
 
 /// How a read's chunks are spread over the copies of its shard.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, serde::Serialize)]
@@ -73,6 +73,7 @@ impl FromStr for RoutePolicy {
 }
 
 impl RoutePolicy {
+    /// The policy's name (`hash`, `stripe`, `adaptive`).
     pub fn name(self) -> &'static str {
         match self {
             RoutePolicy::Hash => "hash",
@@ -129,6 +130,7 @@ pub fn split_list(s: &str) -> Vec<String> {
 
 /// How to open a model.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct ModelConfig {
     /// The primary model directory (index, config, tokenizer live here).
     pub primary: PathBuf,
@@ -136,13 +138,16 @@ pub struct ModelConfig {
     pub dirs: Vec<PathBuf>,
     /// Mirror directories: copies of any subset of the shards.
     pub mirrors: Vec<PathBuf>,
+    /// Read weight of each copy rank (primary first), or probed.
     pub weights: Weights,
+    /// How a read's chunks are spread over the copies.
     pub route: RoutePolicy,
     /// Whether reads use O_DIRECT.
     pub direct: DirectMode,
 }
 
 impl ModelConfig {
+    /// A configuration for the model in `primary`: no split directories, no mirrors, equal weights, `adaptive` routing, O_DIRECT where possible.
     pub fn new(primary: impl Into<PathBuf>) -> Self {
         ModelConfig {
             primary: primary.into(),
@@ -154,26 +159,31 @@ impl ModelConfig {
         }
     }
 
+    /// Sets the O_DIRECT mode.
     pub fn direct(mut self, mode: DirectMode) -> Self {
         self.direct = mode;
         self
     }
 
+    /// Sets the split directories, searched for shards after the primary.
     pub fn dirs<I: IntoIterator<Item = P>, P: Into<PathBuf>>(mut self, dirs: I) -> Self {
         self.dirs = dirs.into_iter().map(Into::into).collect();
         self
     }
 
+    /// Sets the mirror directories.
     pub fn mirrors<I: IntoIterator<Item = P>, P: Into<PathBuf>>(mut self, mirrors: I) -> Self {
         self.mirrors = mirrors.into_iter().map(Into::into).collect();
         self
     }
 
+    /// Sets the copies' read weights.
     pub fn weights(mut self, w: Weights) -> Self {
         self.weights = w;
         self
     }
 
+    /// Sets the route policy.
     pub fn route(mut self, r: RoutePolicy) -> Self {
         self.route = r;
         self

@@ -57,7 +57,6 @@ fn stopped(io: &Io, drive_index: usize, why: &str) -> Error {
 /// per drive and warned once per copy). The request fails only when every
 /// copy has failed, with each copy and its cause in the error.
 pub(crate) fn complete(mut job: Job, res: i32, io: &Io, lane: usize) -> Option<Job> {
-
     /// EINTR/EAGAIN retries of one chunk before giving up on this copy.
     const MAX_RETRIES: u8 = 64;
 

@@ -18,8 +18,8 @@
 
 use std::task::{Poll, Waker};
 
-use crate::error::Error;
 use crate::engine::sync::{lock, Arc, AtomicBool, AtomicUsize, Condvar, Mutex, Ordering};
+use crate::error::Error;
 
 struct State<S> {
     slot: Option<S>,
@@ -44,7 +44,9 @@ pub struct Request<S> {
 
 /// What a finished request hands back.
 pub enum Outcome<S> {
+    /// Every chunk landed: the slot.
     Ready(S),
+    /// The read failed (the first error).
     Failed(Error),
     /// The result was already taken (polled after completion).
     Spent,
@@ -230,6 +232,7 @@ pub struct Credits {
 }
 
 impl Credits {
+    /// `n` credits, all free.
     pub fn new(n: usize) -> Self {
         Credits {
             avail: Mutex::new((n as isize, 0)),

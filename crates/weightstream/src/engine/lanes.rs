@@ -21,7 +21,11 @@ pub(crate) struct SubmitPlan {
 /// drives on 2 CPUs, mirrored, concurrency 8, medians of 3: one ring each
 /// 12.4 GB/s, two each 14.1 (a ring thread between copies leaves its core
 /// idle unless another is ready). Pure: unit-tested with made-up probes.
-pub(crate) fn plan_submit(mode: SubmitMode, probe: Option<&std::io::Result<ring::SubmitProbe>>, cpus: usize) -> SubmitPlan {
+pub(crate) fn plan_submit(
+    mode: SubmitMode,
+    probe: Option<&std::io::Result<ring::SubmitProbe>>,
+    cpus: usize,
+) -> SubmitPlan {
     let plan = |rings: usize, punt: bool, why: String| SubmitPlan { rings, punt, why };
     match mode {
         SubmitMode::Inline => plan(1, false, "inline (by configuration)".into()),
@@ -43,7 +47,6 @@ pub(crate) fn plan_submit(mode: SubmitMode, probe: Option<&std::io::Result<ring:
 
 /// Most ring threads one drive gets under `SubmitMode::Auto`.
 const MAX_RINGS_PER_DRIVE: usize = 8;
-
 
 #[cfg(test)]
 mod tests {

@@ -91,7 +91,9 @@ struct DriveIo {
 /// Where one drive is, and what its I/O threads are bound to.
 #[derive(Debug, Clone)]
 pub struct DrivePlacement {
+    /// The drive's device name.
     pub device: String,
+    /// Its NUMA locality (node, cpuset), or unknown and why.
     pub locality: Locality,
     /// `cpuset 0-3`, `would bind cpuset 0-3 (...)`, or `not bound: why`.
     pub thread_binding: String,
@@ -176,6 +178,7 @@ impl Engine {
         &self.model
     }
 
+    /// `uring` or `pread`.
     pub fn backend_name(&self) -> &'static str {
         match self.backend {
             Backend::Uring => "uring",
@@ -388,4 +391,3 @@ fn stop(io: &Io, drives: &mut [DriveIo]) {
         }
     }
 }
-

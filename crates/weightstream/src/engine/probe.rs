@@ -51,19 +51,20 @@ pub(crate) fn timed_read(drives: &[Vec<&File>], bs: usize, qd: usize, bytes_per_
     };
     let t0 = Instant::now();
     let (mut inflight, mut bytes, mut failed) = (0usize, 0u64, None);
-    let push = |ring: &mut IoUring, k: usize, slot: &mut Slot, next: &mut dyn FnMut(usize) -> Option<(i32, u64)>| -> bool {
-        let d = k / qd;
-        let Some((fd, off)) = next(d) else { return false };
-        let e = opcode::Read::new(types::Fd(fd), slot.as_bytes_mut().as_mut_ptr(), bs as u32)
-            .offset(off)
-            .build()
-            .user_data(k as u64);
-        // SAFETY: the entry reads into slot `k` of `arena`, which is not
-        // read or reused until this entry's completion is reaped below (or,
-        // when the ring cannot be entered, every slot, the arena and the
-        // ring are leaked); the ring has room for every slot's entry.
-        unsafe { ring.submission().push(&e) }.is_ok()
-    };
+    let push =
+        |ring: &mut IoUring, k: usize, slot: &mut Slot, next: &mut dyn FnMut(usize) -> Option<(i32, u64)>| -> bool {
+            let d = k / qd;
+            let Some((fd, off)) = next(d) else { return false };
+            let e = opcode::Read::new(types::Fd(fd), slot.as_bytes_mut().as_mut_ptr(), bs as u32)
+                .offset(off)
+                .build()
+                .user_data(k as u64);
+            // SAFETY: the entry reads into slot `k` of `arena`, which is not
+            // read or reused until this entry's completion is reaped below (or,
+            // when the ring cannot be entered, every slot, the arena and the
+            // ring are leaked); the ring has room for every slot's entry.
+            unsafe { ring.submission().push(&e) }.is_ok()
+        };
     for (k, slot) in slots.iter_mut().enumerate() {
         if push(&mut ring, k, slot, &mut next) {
             inflight += 1;
@@ -80,7 +81,10 @@ pub(crate) fn timed_read(drives: &[Vec<&File>], bs: usize, qd: usize, bytes_per_
             std::mem::forget(ring);
             return Err(e);
         }
-        let done: Vec<(usize, i32)> = ring.completion().map(|c| (c.user_data() as usize, c.result())).collect();
+        let done: Vec<(usize, i32)> = ring
+            .completion()
+            .map(|c| (c.user_data() as usize, c.result()))
+            .collect();
         for (k, res) in done {
             inflight -= 1;
             if res < 0 {
@@ -142,4 +146,3 @@ pub(crate) fn probe_weights(model: &Model) -> (Vec<f64>, Option<String>) {
     tracing::info!("probed weights (GB/s per copy rank): {w:?}");
     (w, None)
 }
-

@@ -349,4 +349,3 @@ impl DriveQueue {
         (reads, controls)
     }
 }
-

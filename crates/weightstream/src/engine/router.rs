@@ -210,5 +210,4 @@ mod tests {
         assert_eq!(stripe_pick(&[1.0, 1.0], &[0, 0], 0), 0);
         assert_eq!(stripe_pick(&[1.0, 1.0], &[0, 0], 1), 1);
     }
-
 }

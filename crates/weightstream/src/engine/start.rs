@@ -9,9 +9,9 @@ use crate::config::{env, BackendChoice, EngineConfig, IoPoll, SubmitMode};
 use crate::engine::backend::pread;
 use crate::engine::backend::ring::{self, RingConfig};
 use crate::engine::lanes;
+use crate::engine::load::DriveLoad;
 use crate::engine::queue::{DriveQueue, Io};
 use crate::engine::registry::Registry;
-use crate::engine::load::DriveLoad;
 use crate::engine::router::Router;
 use crate::engine::{stop, Backend, DriveIo, Engine};
 use crate::error::{Error, Result};
@@ -174,8 +174,8 @@ fn start_pread(
     nodes: &[Option<usize>],
     reason: Option<String>,
 ) -> Result<Started> {
-    let io = make_io(model, depth, false, nodes, &vec![1; chunks.len()])
-        .map_err(|e| Error::io("<engine>", "eventfd", e))?;
+    let io =
+        make_io(model, depth, false, nodes, &vec![1; chunks.len()]).map_err(|e| Error::io("<engine>", "eventfd", e))?;
     let mut drives = Vec::new();
     for (i, &chunk) in chunks.iter().enumerate() {
         let (threads, binding) = match pread::start(&io, i, config.pread_threads.min(depth), &placements[i]) {
@@ -391,7 +391,6 @@ pub(crate) fn memlock_limit() -> (Option<u64>, Option<u64>) {
     let l = rustix::process::getrlimit(rustix::process::Resource::Memlock);
     (l.current, l.maximum)
 }
-
 
 #[cfg(test)]
 mod tests {

@@ -151,4 +151,3 @@ impl std::fmt::Debug for Loaded {
             .finish()
     }
 }
-

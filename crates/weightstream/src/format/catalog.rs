@@ -34,6 +34,7 @@ pub struct ShardInfo {
     pub name: OsString,
     /// The path as listed (before resolving a link).
     pub listed: PathBuf,
+    /// The validated header.
     pub header: ShardHeader,
 }
 
@@ -52,6 +53,7 @@ impl ShardInfo {
 /// Where one tensor's payload lives.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TensorRef {
+    /// The tensor's name.
     pub name: String,
     /// Index into [`Catalog::shards`].
     pub shard: usize,
@@ -59,7 +61,9 @@ pub struct TensorRef {
     pub offset: u64,
     /// Payload length in bytes.
     pub len: u64,
+    /// Element type.
     pub dtype: Dtype,
+    /// Shape, in elements.
     pub shape: Vec<usize>,
     /// Position in the catalog's name order (a stable small id).
     pub index: usize,
@@ -154,6 +158,7 @@ impl Catalog {
         &self.dir
     }
 
+    /// The shards, in name order (a tensor's `shard` indexes this).
     pub fn shards(&self) -> &[ShardInfo] {
         &self.shards
     }
@@ -163,6 +168,7 @@ impl Catalog {
         &self.tensors
     }
 
+    /// Looks a tensor up by name; [`Error::NoSuchTensor`](crate::Error::NoSuchTensor) when absent.
     pub fn tensor(&self, name: &str) -> Result<&TensorRef> {
         self.by_name
             .get(name)
@@ -224,7 +230,7 @@ fn read_index(dir: &Path) -> Result<Option<HashMap<String, String>>> {
 
 /// The number right after `key` in a tensor name (`index_after("model.layers.12.mlp", "layers.")`
 /// is 12): layer and expert ids for routing keys and layer striping.
-pub fn index_after(name: &str, key: &str) -> Option<u64> {
+pub(crate) fn index_after(name: &str, key: &str) -> Option<u64> {
     let rest = &name[name.find(key)? + key.len()..];
     let end = rest.find(|c: char| !c.is_ascii_digit()).unwrap_or(rest.len());
     rest[..end].parse().ok()

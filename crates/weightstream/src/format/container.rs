@@ -17,8 +17,8 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use crate::format::dtype::Dtype;
 use crate::error::{Error, HeaderError, Result};
+use crate::format::dtype::Dtype;
 
 /// The largest header accepted, as in the reference reader (100 MB).
 pub const MAX_HEADER_LEN: u64 = 100_000_000;
@@ -26,19 +26,25 @@ pub const MAX_HEADER_LEN: u64 = 100_000_000;
 /// One tensor of a shard, with its range relative to the data section.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TensorEntry {
+    /// The tensor's name.
     pub name: String,
+    /// Element type.
     pub dtype: Dtype,
+    /// Shape, in elements.
     pub shape: Vec<usize>,
     /// `[begin, end)` relative to the start of the data section.
     pub begin: u64,
+    /// End of the payload (exclusive), relative to the data section.
     pub end: u64,
 }
 
 impl TensorEntry {
+    /// Payload bytes.
     pub fn len(&self) -> u64 {
         self.end - self.begin
     }
 
+    /// A zero-length payload.
     pub fn is_empty(&self) -> bool {
         self.begin == self.end
     }

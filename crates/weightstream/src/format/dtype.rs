@@ -32,8 +32,10 @@ pub enum Dtype {
     #[serde(rename = "F6_E3M2")]
     F6E3M2,
     #[serde(rename = "U8")]
+    /// Unsigned 8-bit integer.
     U8,
     #[serde(rename = "I8")]
+    /// Signed 8-bit integer.
     I8,
     /// FP8 E5M2.
     #[serde(rename = "F8_E5M2")]
@@ -51,28 +53,37 @@ pub enum Dtype {
     #[serde(rename = "F8_E5M2FNUZ")]
     F8E5M2Fnuz,
     #[serde(rename = "I16")]
+    /// Signed 16-bit integer.
     I16,
     #[serde(rename = "U16")]
+    /// Unsigned 16-bit integer.
     U16,
     #[serde(rename = "F16")]
+    /// IEEE half precision.
     F16,
     /// bfloat16.
     #[serde(rename = "BF16")]
     Bf16,
     #[serde(rename = "I32")]
+    /// Signed 32-bit integer.
     I32,
     #[serde(rename = "U32")]
+    /// Unsigned 32-bit integer.
     U32,
     #[serde(rename = "F32")]
+    /// IEEE single precision.
     F32,
     /// Complex of two F32.
     #[serde(rename = "C64")]
     C64,
     #[serde(rename = "F64")]
+    /// IEEE double precision.
     F64,
     #[serde(rename = "I64")]
+    /// Signed 64-bit integer.
     I64,
     #[serde(rename = "U64")]
+    /// Unsigned 64-bit integer.
     U64,
 }
 

@@ -47,11 +47,13 @@ impl SlotSpec {
         }
     }
 
+    /// Sets the scratch reserved before the payload (a power of two, at least the files' O_DIRECT offset alignment).
     pub fn with_align(mut self, align: usize) -> Self {
         self.align = align;
         self
     }
 
+    /// Reserves room after the payload up to the next `align` boundary (the last partial block can then go O_DIRECT too).
     pub fn with_tail_room(mut self, tail_room: bool) -> Self {
         self.tail_room = tail_room;
         self
@@ -457,6 +459,7 @@ impl Arena {
         self.map.node
     }
 
+    /// The shape of every slot.
     pub fn spec(&self) -> SlotSpec {
         self.map.spec
     }
@@ -471,6 +474,7 @@ impl Arena {
         self.map.count
     }
 
+    /// Never true: an arena has at least one slot.
     pub fn is_empty(&self) -> bool {
         self.map.count == 0
     }
@@ -658,6 +662,7 @@ impl Slot {
         self.index
     }
 
+    /// The shape of the slot (its arena's spec).
     pub fn spec(&self) -> SlotSpec {
         self.map.spec
     }
@@ -672,6 +677,7 @@ impl Slot {
         self.map.slot_len
     }
 
+    /// Whether the slot has no bytes (never, for a slot of an arena).
     pub fn is_empty(&self) -> bool {
         self.map.slot_len == 0
     }
@@ -757,8 +763,6 @@ mod tests {
         assert_eq!(round_up(5, 3), None);
         assert_eq!(round_up(5, 0), None);
     }
-
-
 
     #[test]
     fn slots_are_page_aligned_distinct_and_returned() {

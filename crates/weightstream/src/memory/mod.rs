@@ -4,5 +4,5 @@
 
 pub(crate) mod arena;
 
-pub use arena::{dontfork_failures, hugepage_refusals, Arena, Slot, SlotSpec};
 pub(crate) use arena::SlotRange;
+pub use arena::{dontfork_failures, hugepage_refusals, Arena, Slot, SlotSpec};

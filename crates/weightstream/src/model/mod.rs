@@ -58,18 +58,22 @@ struct ModelInner {
 }
 
 impl Model {
+    /// The tensors and shards.
     pub fn catalog(&self) -> &Catalog {
         &self.inner.catalog
     }
 
+    /// Every opened copy: primary copies first (file index = shard index), then mirror copies.
     pub fn files(&self) -> &[ShardFile] {
         &self.inner.files
     }
 
+    /// The volumes (one per `st_dev`) holding copies; a file's `drive` indexes this.
     pub fn drives(&self) -> &[Drive] {
         &self.inner.drives
     }
 
+    /// The O_DIRECT mode the model was opened with.
     pub fn direct_mode(&self) -> DirectMode {
         self.inner.direct
     }
@@ -79,6 +83,7 @@ impl Model {
         &self.inner.copies[shard]
     }
 
+    /// The route policy engines use unless their configuration says otherwise.
     pub fn route(&self) -> RoutePolicy {
         self.inner.route
     }
@@ -220,4 +225,3 @@ impl Model {
         }
     }
 }
-

@@ -22,18 +22,23 @@ use crate::storage::topology;
 /// What became of one candidate copy.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct CopyReport {
-    /// The shard's file name (serialised escaped, see [`layout::escape`]).
+    /// The shard's file name (serialised escaped, see `layout::escape`).
     #[serde(serialize_with = "serialize_escaped")]
     pub shard: OsString,
     #[serde(serialize_with = "serialize_escaped")]
+    /// The candidate file (serialised escaped).
     pub path: PathBuf,
     /// `primary`, `split` or `mirror`.
     pub role: &'static str,
+    /// Copy rank: 0 for the primary or split copy, k for mirror directory k.
     pub rank: usize,
+    /// Whether the copy was accepted.
     pub accepted: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
+    /// Why it was refused.
     pub reason: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    /// The drive of an accepted copy.
     pub device: Option<String>,
 }
 
@@ -464,7 +469,6 @@ fn group_keys(cat: &Catalog) -> Vec<u64> {
         })
         .collect()
 }
-
 
 impl Builder {
     /// Opens and validates every primary (or split) shard found, in order:

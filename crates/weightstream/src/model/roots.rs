@@ -9,14 +9,14 @@ use crate::error::{escape, Error, Result};
 
 /// What a directory is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RootRole {
+pub(crate) enum RootRole {
     Primary,
     Split,
     Mirror,
 }
 
 impl RootRole {
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             RootRole::Primary => "primary",
             RootRole::Split => "split",
@@ -27,7 +27,7 @@ impl RootRole {
 
 /// A validated directory.
 #[derive(Debug, Clone)]
-pub struct Root {
+pub(crate) struct Root {
     /// As the user typed it.
     pub given: PathBuf,
     /// Canonical path.
@@ -44,7 +44,7 @@ fn refuse(given: &Path, role: RootRole, why: &str) -> Error {
 /// primary or inside it (or containing it), not overlapping another entry,
 /// not listed twice. Mirrors on the same filesystem as another copy are
 /// accepted but reported: they add no bandwidth.
-pub fn validate_roots(cfg: &ModelConfig) -> Result<Vec<Root>> {
+pub(crate) fn validate_roots(cfg: &ModelConfig) -> Result<Vec<Root>> {
     let pmeta = std::fs::metadata(&cfg.primary).map_err(|e| Error::io(&cfg.primary, "open model directory", e))?;
     if !pmeta.is_dir() {
         return Err(Error::catalog(&cfg.primary, "not a directory"));
@@ -120,4 +120,3 @@ pub fn validate_roots(cfg: &ModelConfig) -> Result<Vec<Root>> {
     }
     Ok(roots)
 }
-

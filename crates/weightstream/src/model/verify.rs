@@ -100,7 +100,7 @@ pub struct VerifyReport {
 /// One copy of a shard, re-checked.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct FileVerdict {
-    /// The file opened (escaped, see [`layout::escape`]).
+    /// The file opened (escaped, see `layout::escape`).
     pub path: String,
     /// The shard's file name (escaped).
     pub shard: String,

@@ -2,8 +2,8 @@
 //! completion means. Pure: both backends (io_uring rings and pread workers)
 //! use exactly this logic, so they cannot drift apart.
 
-use crate::stats::FallbackCause;
 use crate::plan::window::Window;
+use crate::stats::FallbackCause;
 
 /// One I/O of a request: `len` bytes of file `file` at `file_off`, landing at
 /// `slot_off` from the slot base.
@@ -13,8 +13,11 @@ pub struct Chunk {
     pub file: u32,
     /// Read through the O_DIRECT descriptor.
     pub direct: bool,
+    /// File offset of the chunk.
     pub file_off: u64,
+    /// Where it lands, from the slot base.
     pub slot_off: usize,
+    /// Bytes.
     pub len: u32,
     /// Position in the request (for diagnostics and `user_data`).
     pub seq: u16,

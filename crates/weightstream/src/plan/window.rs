@@ -24,11 +24,23 @@ pub enum WindowError {
     BadAlign(u64),
     /// The payload range is not inside the file.
     #[error("range [{start}, {end}) is outside the file ({size} bytes)")]
-    OutOfFile { start: u64, end: u64, size: u64 },
+    OutOfFile {
+        /// Start of the range.
+        start: u64,
+        /// End of the range (exclusive, saturated).
+        end: u64,
+        /// The file's size.
+        size: u64,
+    },
     /// The window `[start, end)` (scratch before the payload included) is
     /// larger than this machine's address space: no slot can hold it.
     #[error("window [{start}, {end}) does not fit in the address space")]
-    TooLarge { start: u64, end: u64 },
+    TooLarge {
+        /// Start of the window.
+        start: u64,
+        /// End of the window.
+        end: u64,
+    },
 }
 
 /// How one payload read is split between O_DIRECT and buffered I/O.

@@ -13,16 +13,19 @@ use crate::storage::topology::FileTopology;
 /// One shard, opened.
 #[derive(Debug)]
 pub struct ShardFile {
+    /// The file as opened (a link resolved).
     pub path: PathBuf,
     /// Size the header was validated against.
     pub size: u64,
-    pub buffered: File,
+    /// The buffered descriptor (header, tails, fallbacks).
+    pub(crate) buffered: File,
     /// The O_DIRECT descriptor, if the filesystem accepted one.
-    pub direct: Option<File>,
+    pub(crate) direct: Option<File>,
     /// Why there is no O_DIRECT descriptor.
     pub direct_refused: Option<String>,
+    /// What the kernel says about the file's volume.
     pub topo: FileTopology,
-    /// Index into [`Model::drives`].
+    /// Index into [`Model::drives`](crate::Model::drives).
     pub drive: usize,
     /// The shard this file is a copy of (index into the catalog's shards).
     pub shard: usize,
@@ -30,7 +33,7 @@ pub struct ShardFile {
     pub rank: usize,
     /// What the file was when it was opened (from `fstat` of the open
     /// descriptor): re-checked by [`ShardFile::changed_since_open`] when a
-    /// read fails, and by [`Model::verify`].
+    /// read fails, and by [`Model::verify`](crate::Model::verify).
     pub identity: FileIdentity,
     /// A failover away from this copy has been warned about.
     pub(crate) failover_warned: AtomicBool,
@@ -43,10 +46,15 @@ pub struct ShardFile {
 /// extended in place (ctime also on metadata changes: chmod, link count).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct FileIdentity {
+    /// `st_dev`.
     pub dev: u64,
+    /// `st_ino`.
     pub ino: u64,
+    /// Size in bytes.
     pub size: u64,
+    /// ctime, seconds.
     pub ctime_sec: i64,
+    /// ctime, nanoseconds.
     pub ctime_nsec: i64,
 }
 
@@ -62,7 +70,7 @@ impl FileIdentity {
     }
 }
 
-/// One thing found changed about an opened file (see [`Model::verify`]).
+/// One thing found changed about an opened file (see [`Model::verify`](crate::Model::verify)).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Change {
@@ -70,20 +78,44 @@ pub enum Change {
     Removed,
     /// The path names another inode now: replaced, e.g. by a rename (reads
     /// still see the file as opened).
-    Replaced { was: (u64, u64), now: (u64, u64) },
+    Replaced {
+        /// `(st_dev, st_ino)` at open.
+        was: (u64, u64),
+        /// `(st_dev, st_ino)` now.
+        now: (u64, u64),
+    },
     /// The size differs.
-    Size { was: u64, now: u64 },
+    Size {
+        /// At open (or in the record).
+        was: u64,
+        /// Now.
+        now: u64,
+    },
     /// The ctime differs: written in place, truncated, or its metadata changed.
     Ctime,
     /// The header bytes differ from the ones validated at open (`at`: the
     /// first differing byte, when known).
-    Header { at: Option<u64> },
+    Header {
+        /// The first differing byte, when known.
+        at: Option<u64>,
+    },
     /// Tensor payloads differ from `against` (the primary copy, or a record).
-    Digest { against: String, tensors: Vec<String> },
+    Digest {
+        /// What the payloads were compared with.
+        against: String,
+        /// The tensors that differ.
+        tensors: Vec<String>,
+    },
     /// Not in the model now, or not in the record compared against.
-    Unlisted { cause: String },
+    Unlisted {
+        /// Which side lacks it.
+        cause: String,
+    },
     /// The check itself failed (fstat, stat, a read).
-    Unreadable { cause: String },
+    Unreadable {
+        /// The failed call and its error.
+        cause: String,
+    },
 }
 
 impl std::fmt::Display for Change {
@@ -119,10 +151,22 @@ impl std::fmt::Display for Change {
 }
 
 impl ShardFile {
+    /// The buffered descriptor: for tools that read the file as it is
+    /// (`pread` at an offset never disturbs the engine's reads).
+    pub fn buffered(&self) -> &File {
+        &self.buffered
+    }
+
+    /// The O_DIRECT descriptor, if the filesystem accepted one (see
+    /// `direct_refused` for why not).
+    pub fn direct(&self) -> Option<&File> {
+        self.direct.as_ref()
+    }
+
     /// What changed since open, from one `fstat` of the open descriptor
     /// (size, ctime) and one `stat` of the path (removed, replaced).
     /// Cheap: no data is read, so a same-size rewrite shows only as a ctime
-    /// change, and its bytes are compared only by [`Model::verify`] with
+    /// change, and its bytes are compared only by [`Model::verify`](crate::Model::verify) with
     /// `digest`.
     pub fn identity_changes(&self) -> Vec<Change> {
         let id = &self.identity;
@@ -190,14 +234,19 @@ impl ShardFile {
 /// One volume (`st_dev`) holding shards.
 #[derive(Debug)]
 pub struct Drive {
+    /// `st_dev` of the volume.
     pub dev: u64,
+    /// Block device name (or the mount source of a volume without one).
     pub device: String,
+    /// Mount point.
     pub mount: PathBuf,
+    /// Filesystem type.
     pub fs_type: String,
     /// Largest O_DIRECT offset alignment among its files.
     pub dio_align: u32,
+    /// Whether every file on it opened O_DIRECT.
     pub direct_open: bool,
-    pub counters: DriveCounters,
+    pub(crate) counters: DriveCounters,
 }
 
 /// Drops the page-cache pages of a range read buffered: weights are read once

@@ -15,10 +15,10 @@ use crate::error::{escape, Error, Result};
 
 pub(crate) mod libc_flags {
     use rustix::fs::OFlags;
-    pub const O_NOFOLLOW: i32 = OFlags::NOFOLLOW.bits() as i32;
-    pub const O_CLOEXEC: i32 = OFlags::CLOEXEC.bits() as i32;
-    pub const O_DIRECT: i32 = OFlags::DIRECT.bits() as i32;
-    pub const O_NONBLOCK: i32 = OFlags::NONBLOCK.bits() as i32;
+    pub(crate) const O_NOFOLLOW: i32 = OFlags::NOFOLLOW.bits() as i32;
+    pub(crate) const O_CLOEXEC: i32 = OFlags::CLOEXEC.bits() as i32;
+    pub(crate) const O_DIRECT: i32 = OFlags::DIRECT.bits() as i32;
+    pub(crate) const O_NONBLOCK: i32 = OFlags::NONBLOCK.bits() as i32;
 }
 
 /// What a file is, in words, for refusals ("a FIFO", "a directory", ...).
@@ -115,14 +115,14 @@ pub(crate) fn open_regular(path: &Path, nofollow: bool) -> Result<(File, Stat), 
 
 /// One `*.safetensors` entry of a directory: its name as listed, the path
 /// as listed, and the file it names (a link resolved once).
-pub type ListedShard = (OsString, PathBuf, PathBuf);
+pub(crate) type ListedShard = (OsString, PathBuf, PathBuf);
 
 /// The `*.safetensors` entries of a directory, sorted by name (as bytes),
 /// each resolved to the file it names (Hugging Face caches keep shards as
 /// links to blobs). An entry that is not a regular file (a directory, FIFO,
 /// socket, device, or a link to one, or a dangling link) is an error naming
 /// it: a model never opens silently with fewer shards.
-pub fn list_shards(dir: &Path) -> Result<Vec<ListedShard>> {
+pub(crate) fn list_shards(dir: &Path) -> Result<Vec<ListedShard>> {
     let rd = std::fs::read_dir(dir).map_err(|e| Error::io(dir, "list model directory", e))?;
     let mut out = Vec::new();
     for entry in rd {
@@ -176,4 +176,3 @@ pub(crate) fn open_direct_checked(path: &Path) -> std::io::Result<(File, rustix:
         r @ OpenRefusal::NotRegular(_) => std::io::Error::other(r.to_string()),
     })
 }
-

@@ -27,7 +27,9 @@ pub enum AlignSource {
 pub struct FileTopology {
     /// `st_dev` of the file: one volume = one drive.
     pub dev: u64,
+    /// Major number of `st_dev`.
     pub dev_major: u32,
+    /// Minor number of `st_dev`.
     pub dev_minor: u32,
     /// Block device name (`vda`, `nvme0n1`, `loop3`), or the mount source for
     /// volumes without one (tmpfs).
@@ -40,6 +42,7 @@ pub struct FileTopology {
     pub dio_offset_align: u32,
     /// Required alignment of memory for O_DIRECT.
     pub dio_mem_align: u32,
+    /// Where the alignment figures came from.
     pub align_source: AlignSource,
     /// `statx` reported that this file does not support direct I/O.
     pub statx_says_no_direct: bool,
@@ -53,7 +56,7 @@ impl FileTopology {
 }
 
 /// Inspects an open file.
-pub fn probe(path: &Path, file: &File) -> std::io::Result<FileTopology> {
+pub(crate) fn probe(path: &Path, file: &File) -> std::io::Result<FileTopology> {
     let stx = rustix::fs::statx(
         file,
         "",

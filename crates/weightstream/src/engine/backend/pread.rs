@@ -124,4 +124,3 @@ fn work(io: &Io, lane: usize) {
         q.active.fetch_sub(1, Ordering::Relaxed);
     }
 }
-

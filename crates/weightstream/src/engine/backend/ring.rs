@@ -32,11 +32,11 @@ use std::time::{Duration, Instant};
 
 use io_uring::{opcode, types, IoUring};
 
-use crate::error::Error;
 use crate::engine::backend::pread_chunk;
 use crate::engine::completion::{complete, fail_over, fail_queued, requeue};
 use crate::engine::queue::{Control, DriveQueue, Io, Job};
 use crate::engine::sync::lock_std as lock;
+use crate::error::Error;
 use crate::memory::{Arena, SlotSpec};
 use crate::model::Model;
 use crate::stats::DriveCounters;

@@ -34,7 +34,13 @@ impl Model {
 
 /// Reads `tensor` into `slot` synchronously. On error the slot is dropped
 /// (returned to its arena): nothing the kernel writes outlives this call.
-fn read_sync(file: &ShardFile, drives: &[Drive], tensor: &TensorRef, mut slot: Slot, mode: DirectMode) -> Result<Loaded> {
+fn read_sync(
+    file: &ShardFile,
+    drives: &[Drive],
+    tensor: &TensorRef,
+    mut slot: Slot,
+    mode: DirectMode,
+) -> Result<Loaded> {
     let path = &file.path;
     let drive = &drives[file.drive];
     let w = plan(path, file.size, tensor, &slot)?;
@@ -46,7 +52,10 @@ fn read_sync(file: &ShardFile, drives: &[Drive], tensor: &TensorRef, mut slot: S
     let mut w = DirectPlan::decide(mode, w, &slot, &[file], drives).window;
     let mut direct_ok = false;
     if w.direct > 0 {
-        let dfile = file.direct.as_ref().expect("decided direct: the file has an O_DIRECT descriptor");
+        let dfile = file
+            .direct
+            .as_ref()
+            .expect("decided direct: the file has an O_DIRECT descriptor");
         let buf = &mut slot.as_bytes_mut()[..w.direct];
         match pread_full(dfile, buf, w.start) {
             Ok(n) if n == w.direct => direct_ok = true,
@@ -108,4 +117,3 @@ fn pread_full(file: &File, buf: &mut [u8], off: u64) -> std::io::Result<usize> {
     }
     Ok(done)
 }
-

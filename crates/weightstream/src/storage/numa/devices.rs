@@ -2,13 +2,16 @@
 //! device to its members), member localities combined, and hwloc's list
 //! syntax for CPU and node sets.
 
+#[cfg(any(feature = "numa", test))]
 use std::collections::BTreeMap;
 
+#[cfg(any(feature = "numa", test))]
 use super::Locality;
 
+#[cfg(any(feature = "numa", test))]
 /// The whole-disk name of `dev` (`nvme0n1p2` -> `nvme0n1`), through sysfs;
 /// `dev` itself when sysfs does not know it.
-pub fn disk_of(dev: &str) -> String {
+pub(crate) fn disk_of(dev: &str) -> String {
     let dev = dev.strip_prefix("/dev/").unwrap_or(dev);
     let Ok(real) = std::fs::canonicalize(format!("/sys/class/block/{dev}")) else {
         return dev.to_string();
@@ -23,10 +26,11 @@ pub fn disk_of(dev: &str) -> String {
         .unwrap_or_else(|| dev.to_string())
 }
 
+#[cfg(any(feature = "numa", test))]
 /// The members of a stacked device (device-mapper, md): the disks behind
 /// `/sys/block/X/slaves`, resolved recursively to whole disks. Empty for a
 /// plain disk.
-pub fn members_of(disk: &str) -> Vec<String> {
+pub(crate) fn members_of(disk: &str) -> Vec<String> {
     fn walk(disk: &str, depth: usize, out: &mut Vec<String>) {
         let Ok(rd) = std::fs::read_dir(format!("/sys/block/{disk}/slaves")) else {
             if depth > 0 {
@@ -58,9 +62,10 @@ pub fn members_of(disk: &str) -> Vec<String> {
     out
 }
 
+#[cfg(any(feature = "numa", test))]
 /// Combines member localities: the majority node wins (ties: the lowest
 /// node); a split is noted and logged.
-pub fn majority(device: &str, members: &[(String, Locality)], source: &'static str) -> Locality {
+pub(crate) fn majority(device: &str, members: &[(String, Locality)], source: &'static str) -> Locality {
     let mut votes: BTreeMap<usize, usize> = BTreeMap::new();
     for (_, l) in members {
         if let Some(n) = l.node {
@@ -104,8 +109,9 @@ pub fn majority(device: &str, members: &[(String, Locality)], source: &'static s
     loc
 }
 
+#[cfg(any(feature = "numa", test))]
 /// `0-3,8,10-11` from sorted indices.
-pub fn list_string(idx: impl IntoIterator<Item = usize>) -> String {
+pub(crate) fn list_string(idx: impl IntoIterator<Item = usize>) -> String {
     let mut out: Vec<String> = Vec::new();
     let mut run: Option<(usize, usize)> = None;
     let flush = |run: (usize, usize), out: &mut Vec<String>| {
@@ -132,7 +138,7 @@ pub fn list_string(idx: impl IntoIterator<Item = usize>) -> String {
 }
 
 /// Indices of a list string (`0-3,8`); `None` when malformed.
-pub fn parse_list(s: &str) -> Option<Vec<usize>> {
+pub(crate) fn parse_list(s: &str) -> Option<Vec<usize>> {
     let mut out = Vec::new();
     for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         match part.split_once('-') {

@@ -8,9 +8,9 @@ use std::collections::HashMap;
 #[cfg(feature = "numa")]
 use std::sync::Arc;
 
+use super::Provider;
 #[cfg(feature = "numa")]
 use super::{disk_of, list_string, majority, members_of, parse_list, Locality, TopologyProvider};
-use super::Provider;
 
 fn warn_fallback_once(why: &str) {
     static WARNED: std::sync::Once = std::sync::Once::new();
@@ -68,7 +68,6 @@ use imp::Shared;
 #[cfg(feature = "numa")]
 mod imp {
     use super::*;
-    use std::fmt;
     use hwlocality::{
         cpu::{binding::CpuBindingFlags, cpuset::CpuSet},
         memory::{
@@ -79,6 +78,7 @@ mod imp {
         topology::builder::{TopologyBuilder, TypeFilter},
         Topology,
     };
+    use std::fmt;
 
     /// One loaded topology (shared between providers with different aliases).
     pub(super) struct Shared {

@@ -29,7 +29,9 @@ use std::sync::Arc;
 mod devices;
 mod hwloc;
 
-pub use devices::{disk_of, list_string, majority, members_of, parse_list};
+pub(crate) use devices::parse_list;
+#[cfg(any(feature = "numa", test))]
+pub(crate) use devices::{disk_of, list_string, majority, members_of};
 #[cfg(feature = "numa")]
 pub use hwloc::Hwloc;
 
@@ -114,13 +116,14 @@ impl std::ops::Deref for Provider {
 }
 
 impl Provider {
+    /// A handle to `p`.
     pub fn new(p: impl TopologyProvider + 'static) -> Self {
         Provider(Arc::new(p))
     }
 
     /// The provider a configuration asks for: [`SingleNode`] when `off`, the
     /// XML topology at `xml` (device aliases from `device_map`, see
-    /// [`parse_device_map`]), else the live system (built once per
+    /// `parse_device_map`), else the live system (built once per
     /// process). Falls back to [`SingleNode`] with one warning when hwloc
     /// fails or the `numa` feature is off. (`WEIGHTSTREAM_NUMA`,
     /// `WEIGHTSTREAM_NUMA_XML` and `WEIGHTSTREAM_NUMA_DEVICE_MAP` are read by
@@ -144,7 +147,7 @@ impl Provider {
 
 /// `vda=nvme0n1,loop3=nvme1n1` -> aliases (real device name or `MAJ:MIN`
 /// -> the OS device name in the topology). For testing with XML topologies.
-pub fn parse_device_map(v: &str) -> HashMap<String, String> {
+pub(crate) fn parse_device_map(v: &str) -> HashMap<String, String> {
     v.split([',', ';'])
         .filter_map(|kv| {
             let (k, v) = kv.split_once('=')?;
@@ -161,6 +164,7 @@ pub struct SingleNode {
 }
 
 impl SingleNode {
+    /// A provider that places nothing, saying `why` in every locality.
     pub fn new(why: &str) -> Self {
         SingleNode { why: why.to_string() }
     }
@@ -213,7 +217,7 @@ pub(crate) struct ThreadPlacement {
 impl ThreadPlacement {
     /// Binds the calling thread; says what happened (a failed binding of
     /// a known locality is also warned, once per process).
-    pub fn apply(&self) -> String {
+    pub(crate) fn apply(&self) -> String {
         let b = bind_thread_described(&*self.provider, &self.locality);
         if b.starts_with("not bound: binding") {
             static WARNED: std::sync::Once = std::sync::Once::new();
