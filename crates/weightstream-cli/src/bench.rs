@@ -73,27 +73,27 @@ impl Arm {
             Arm::Mmap => "mmap",
         }
     }
+}
 
-    /// Parses `ceiling,engine,...`.
-    pub fn parse_list(s: &str) -> Result<Vec<Arm>> {
-        s.split([',', ';'])
-            .map(str::trim)
-            .filter(|a| !a.is_empty())
-            .map(|a| match a.to_ascii_lowercase().as_str() {
-                "ceiling" => Ok(Arm::Ceiling),
-                "fio" => Ok(Arm::Fio),
-                "engine" | "uring" => Ok(Arm::Engine),
-                "engine-hash" => Ok(Arm::EngineRoute(RoutePolicy::Hash)),
-                "engine-stripe" => Ok(Arm::EngineRoute(RoutePolicy::Stripe)),
-                "engine-adaptive" => Ok(Arm::EngineRoute(RoutePolicy::Adaptive)),
-                "pread" => Ok(Arm::Pread),
-                "buffered" => Ok(Arm::Buffered),
-                "mmap" => Ok(Arm::Mmap),
-                other => Err(Error::Config(format!(
-                    "arm {other:?}: expected ceiling, fio, engine, engine-hash, engine-stripe, engine-adaptive, pread, buffered or mmap"
-                ))),
-            })
-            .collect()
+/// The arms by name (`--arms`); `uring` is another name of `engine`.
+impl clap::ValueEnum for Arm {
+    fn value_variants<'a>() -> &'a [Self] {
+        &[
+            Arm::Ceiling,
+            Arm::Fio,
+            Arm::Engine,
+            Arm::EngineRoute(RoutePolicy::Hash),
+            Arm::EngineRoute(RoutePolicy::Stripe),
+            Arm::EngineRoute(RoutePolicy::Adaptive),
+            Arm::Pread,
+            Arm::Buffered,
+            Arm::Mmap,
+        ]
+    }
+
+    fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
+        let v = clap::builder::PossibleValue::new(self.name());
+        Some(if *self == Arm::Engine { v.alias("uring") } else { v })
     }
 }
 

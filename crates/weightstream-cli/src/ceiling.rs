@@ -50,7 +50,7 @@ use weightstream::open_direct;
 const MIB: usize = 1 << 20;
 
 /// How a reader submits its reads.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum Submit {
     /// As the kernel chooses: a device that completes in the submitter's
@@ -62,13 +62,14 @@ pub enum Submit {
 }
 
 /// Which buffers a reader reads into.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum Buffers {
     /// `IORING_OP_READ` into plain memory.
     Plain,
     /// `IORING_OP_READ_FIXED` into registered (pinned) buffers (fio
     /// `--fixedbufs=1`).
+    #[value(alias = "registered")]
     Fixed,
 }
 
@@ -79,16 +80,6 @@ impl Submit {
             Submit::Async => "async",
         }
     }
-
-    pub fn parse(s: &str) -> Result<Self> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "inline" => Ok(Submit::Inline),
-            "async" => Ok(Submit::Async),
-            other => Err(Error::Config(format!(
-                "submit mode {other:?}: expected inline or async"
-            ))),
-        }
-    }
 }
 
 impl Buffers {
@@ -96,14 +87,6 @@ impl Buffers {
         match self {
             Buffers::Plain => "plain",
             Buffers::Fixed => "fixed",
-        }
-    }
-
-    pub fn parse(s: &str) -> Result<Self> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "plain" => Ok(Buffers::Plain),
-            "fixed" | "registered" => Ok(Buffers::Fixed),
-            other => Err(Error::Config(format!("buffers {other:?}: expected plain or fixed"))),
         }
     }
 }
@@ -1637,9 +1620,15 @@ mod tests {
             ReadConfig::BASELINE.label(),
             "bs=1MiB qd=16 readers=1 submit=inline buffers=plain"
         );
-        assert_eq!(Submit::parse(" Async ").unwrap(), Submit::Async);
-        assert_eq!(Buffers::parse("fixed").unwrap(), Buffers::Fixed);
-        assert!(Submit::parse("sqpoll").is_err());
+        assert_eq!(
+            <Submit as clap::ValueEnum>::from_str("Async", true).unwrap(),
+            Submit::Async
+        );
+        assert_eq!(
+            <Buffers as clap::ValueEnum>::from_str("registered", true).unwrap(),
+            Buffers::Fixed
+        );
+        assert!(<Submit as clap::ValueEnum>::from_str("sqpoll", true).is_err());
         assert_eq!(size_label(4096), "4KiB");
         assert_eq!(size_label(1000), "1000B");
         assert_eq!(size_label(3 << 29), "1.5GiB");

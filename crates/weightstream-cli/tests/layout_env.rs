@@ -19,13 +19,16 @@ use std::path::PathBuf;
 
 use weightstream::{DirectMode, Error, Model, ModelConfig, RoutePolicy, Weights};
 
+use weightstream::env;
+
+/// The variables `ModelConfig::from_env` reads (names from the library's table).
 const VARS: [&str; 6] = [
-    "WEIGHTSTREAM_MODEL",
-    "WEIGHTSTREAM_MODEL_DIRS",
-    "WEIGHTSTREAM_MIRROR",
-    "WEIGHTSTREAM_DISK_WEIGHTS",
-    "WEIGHTSTREAM_ROUTE",
-    "WEIGHTSTREAM_DIRECT",
+    env::MODEL,
+    env::MODEL_DIRS,
+    env::MIRROR,
+    env::DISK_WEIGHTS,
+    env::ROUTE,
+    env::DIRECT,
 ];
 
 fn clear() {
@@ -184,12 +187,12 @@ fn model_config_from_the_environment() {
     // The helpers' hermetic environment strips every variable: poisoned
     // values in this process never reach the binary.
     clear();
-    for k in common::ENV_KNOBS {
+    for k in common::env_knobs() {
         std::env::set_var(k, "/nonexistent;bogus");
     }
     for k in VARS {
         assert!(
-            common::ENV_KNOBS.contains(&k),
+            common::env_knobs().contains(&k),
             "{k} is not stripped by common::hermetic"
         );
     }
@@ -205,7 +208,7 @@ fn model_config_from_the_environment() {
         "a variable leaked into the binary:\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    for k in common::ENV_KNOBS {
+    for k in common::env_knobs() {
         std::env::remove_var(k);
     }
 }

@@ -15,31 +15,22 @@ pub fn bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_weightstream"))
 }
 
-/// Environment variables that change what the binary does; tests run it
-/// without them so the arguments alone decide (a developer's
+/// Environment variables that change what the binary does (every library
+/// and command variable of the library's one table, `weightstream::env::ALL`);
+/// tests run it without them so the arguments alone decide (a developer's
 /// `WEIGHTSTREAM_MIRROR` or `WEIGHTSTREAM_ROUTE` must never leak into a
 /// test's layout).
-pub const ENV_KNOBS: [&str; 15] = [
-    "WEIGHTSTREAM_LOG",
-    "WEIGHTSTREAM_BACKEND",
-    "WEIGHTSTREAM_QD",
-    "WEIGHTSTREAM_CHUNK",
-    "WEIGHTSTREAM_SQPOLL",
-    "WEIGHTSTREAM_IOPOLL",
-    "WEIGHTSTREAM_MODEL",
-    "WEIGHTSTREAM_MODEL_DIRS",
-    "WEIGHTSTREAM_MIRROR",
-    "WEIGHTSTREAM_DISK_WEIGHTS",
-    "WEIGHTSTREAM_ROUTE",
-    "WEIGHTSTREAM_DIRECT",
-    "WEIGHTSTREAM_NUMA",
-    "WEIGHTSTREAM_NUMA_XML",
-    "WEIGHTSTREAM_NUMA_DEVICE_MAP",
-];
+pub fn env_knobs() -> Vec<&'static str> {
+    weightstream::env::ALL
+        .iter()
+        .filter(|v| v.scope != weightstream::env::Scope::Tests)
+        .map(|v| v.name)
+        .collect()
+}
 
-/// `cmd` with the [`ENV_KNOBS`] removed.
+/// `cmd` with the [`env_knobs`] removed.
 pub fn hermetic(mut cmd: Command) -> Command {
-    for k in ENV_KNOBS {
+    for k in env_knobs() {
         cmd.env_remove(k);
     }
     cmd

@@ -1,0 +1,379 @@
+//! The command line's definition (clap): commands, their flags, and a typed
+//! value for every option with a fixed set of values.
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use weightstream::{DirectMode, IoPoll, RoutePolicy, SubmitMode, Weights};
+
+use crate::bench::Arm;
+use crate::ceiling::{Buffers, Submit};
+
+#[derive(Parser)]
+#[command(
+    name = "weightstream",
+    version,
+    about = "Stream model weights from NVMe into engine memory"
+)]
+pub(crate) struct Cli {
+    /// More logging (-v info, -vv debug); WEIGHTSTREAM_LOG overrides.
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    pub(crate) verbose: u8,
+    #[command(subcommand)]
+    pub(crate) cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+pub(crate) enum Cmd {
+    /// Shards, tensors, bytes, and for each file its filesystem, device, O_DIRECT alignment and whether O_DIRECT opens.
+    Inspect {
+        model_dir: PathBuf,
+        #[command(flatten)]
+        layout: LayoutArgs,
+        /// NUMA placement shown per drive: on (hwloc, or WEIGHTSTREAM_NUMA_XML) or off (default: WEIGHTSTREAM_NUMA or on).
+        #[arg(long, value_enum)]
+        numa: Option<OnOff>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// sha256 of every tensor (or the named ones), read through the in-place path; sha256sum format, sorted by name.
+    Digest {
+        model_dir: PathBuf,
+        /// Only these tensors (repeatable).
+        #[arg(long = "tensor")]
+        tensors: Vec<String>,
+        /// O_DIRECT: auto (where possible, fallbacks counted), on (refuse files that cannot open O_DIRECT), off.
+        #[arg(long, value_enum, default_value = "auto")]
+        direct: DirectArg,
+        #[command(flatten)]
+        engine: EngineArgs,
+        #[command(flatten)]
+        layout: LayoutArgs,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Re-check a model's files: each copy opened, proven and re-read (header), with --digest every tensor
+    /// of every copy hashed (mirror copies compared with the primary), with --against compared with an
+    /// earlier `verify --json` record (inode, size, ctime, header, digests). Exit status 0: nothing changed;
+    /// 1: something changed (each file named with what changed); 2: the check could not run.
+    Verify {
+        model_dir: PathBuf,
+        /// Hash every tensor of every copy (reads the whole model, buffered, page cache dropped after).
+        #[arg(long)]
+        digest: bool,
+        /// A report saved by an earlier `verify --json` (with --digest, to compare payloads too).
+        #[arg(long)]
+        against: Option<PathBuf>,
+        #[command(flatten)]
+        layout: LayoutArgs,
+        /// The report as JSON (save it to compare against later).
+        #[arg(long)]
+        json: bool,
+    },
+    /// The device ceiling: a sweep of O_DIRECT io_uring read configurations (block size, depth, readers,
+    /// inline or async submission, plain or registered buffers) on each drive alone, the best and the
+    /// configuration that reached it per drive, then all drives at once with their best.
+    Ceiling {
+        #[arg(required = true)]
+        paths: Vec<PathBuf>,
+        /// 8 configurations, up to 1 GiB or 0.25 s each (default: 32, up to 2 GiB or 0.5 s each).
+        #[arg(long)]
+        quick: bool,
+        /// Block sizes to try, comma-separated (e.g. 1MiB,4MiB); each dimension given replaces the sweep's values.
+        #[arg(long, value_delimiter = ',', value_parser = parse_bytes)]
+        bs: Vec<u64>,
+        /// Reads in flight per reader, comma-separated (e.g. 16,64).
+        #[arg(long, value_delimiter = ',')]
+        qd: Vec<usize>,
+        /// Reader threads per drive, each with its own ring (e.g. 1,2).
+        #[arg(long, value_delimiter = ',')]
+        readers: Vec<usize>,
+        /// inline and/or async (IOSQE_ASYNC on every read, fio --force_async=1).
+        #[arg(long, value_enum, value_delimiter = ',')]
+        submit: Vec<Submit>,
+        /// plain and/or fixed (registered buffers, ReadFixed; fio --fixedbufs=1).
+        #[arg(long, value_enum, value_delimiter = ',')]
+        buffers: Vec<Buffers>,
+        /// Byte cap per configuration and drive (files are read round again if smaller).
+        #[arg(long, value_parser = parse_bytes)]
+        bytes: Option<u64>,
+        /// Time cap per configuration, seconds.
+        #[arg(long)]
+        seconds: Option<f64>,
+        /// Read into 4 KiB pages (as fio's default buffers) instead of huge pages (MADV_HUGEPAGE).
+        #[arg(long)]
+        small_pages: bool,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Write a synthetic MoE model (safetensors' own serializer; deterministic content from a seed).
+    Gen {
+        model_dir: PathBuf,
+        /// Approximate total size.
+        #[arg(long, default_value = "4GiB", value_parser = parse_bytes)]
+        size: u64,
+        #[arg(long, default_value_t = 8)]
+        layers: usize,
+        /// Experts per layer (default: from --size).
+        #[arg(long)]
+        experts: Option<usize>,
+        /// Bytes of each expert projection (gate, up, down).
+        #[arg(long, default_value = "19MiB", value_parser = parse_bytes)]
+        expert_bytes: u64,
+        #[arg(long, default_value_t = 4)]
+        shards: usize,
+        #[arg(long, default_value_t = 0x5eed)]
+        seed: u64,
+    },
+    /// Read every expert in a seeded random order through several arms, interleaved, cold cache; ratios to the
+    /// ceiling and to fio's best in the same run.
+    Bench {
+        model_dir: PathBuf,
+        /// Arms, in the order they run each round (ceiling, fio, engine, engine-hash, engine-stripe,
+        /// engine-adaptive, pread, buffered, mmap).
+        #[arg(
+            long,
+            value_enum,
+            value_delimiter = ',',
+            default_value = "ceiling,fio,engine,pread,buffered,mmap"
+        )]
+        arms: Vec<Arm>,
+        /// The ceiling's and fio's sweep each run: quick (8 configurations) or full (32).
+        #[arg(long, value_enum, default_value = "quick")]
+        sweep: SweepArg,
+        /// The ceiling reads into 4 KiB pages (as fio's default buffers) instead of huge pages.
+        #[arg(long)]
+        small_pages: bool,
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        /// Reads in flight (1 = one expert at a time, decode-like).
+        #[arg(long, default_value_t = 8)]
+        concurrency: usize,
+        /// Order seed.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Tensors whose name contains this.
+        #[arg(long, default_value = ".experts.")]
+        filter: String,
+        #[command(flatten)]
+        engine: EngineArgs,
+        #[command(flatten)]
+        layout: LayoutArgs,
+        /// Read the whole order this many times per run.
+        #[arg(long, default_value_t = 1)]
+        passes: usize,
+        /// Sample per-drive bytes every MS milliseconds during engine arms (JSON: runs[].timeline).
+        #[arg(long)]
+        timeline_ms: Option<u64>,
+        /// Write a bar chart of GB/s per arm (SVG).
+        #[arg(long)]
+        plot: Option<PathBuf>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Draw a chart for a benchmark record from a JSON spec: {"title", "xlabel", "ylabel",
+    /// "series": [{"name", "points": [[x, y], ...]}]} (lines), or {"title", "unit", "bars": [[label, value], ...],
+    /// "reference": y} (bars). Writes SVG.
+    #[command(hide = true)]
+    Plot { spec: PathBuf, out: PathBuf },
+    /// Write a synthetic MoE model, read every expert through weightstream, verify every byte, remove it.
+    Demo {
+        /// Where to write the model (default: a temporary directory).
+        #[arg(long)]
+        dir: Option<PathBuf>,
+        /// Approximate model size (e.g. 300MB, 1GiB).
+        #[arg(long, default_value = "320MiB", value_parser = parse_bytes)]
+        size: u64,
+        /// Keep the model directory afterwards.
+        #[arg(long)]
+        keep: bool,
+    },
+}
+
+/// Where the model's bytes live, shared by the commands that open a model.
+/// Each flag overrides its environment variable.
+#[derive(clap::Args, Debug, Default)]
+pub(crate) struct LayoutArgs {
+    /// Extra directories searched for shards after the primary (`;` or `,`
+    /// separated; WEIGHTSTREAM_MODEL_DIRS).
+    #[arg(long)]
+    pub(crate) dirs: Option<String>,
+    /// Mirror directories holding copies of any subset of the shards
+    /// (WEIGHTSTREAM_MIRROR).
+    #[arg(long)]
+    pub(crate) mirror: Option<String>,
+    /// Read weights per copy, primary first (e.g. 1,1 or 3,1), equal, or
+    /// probe (WEIGHTSTREAM_DISK_WEIGHTS).
+    #[arg(long, value_parser = parse_weights)]
+    pub(crate) weights: Option<Weights>,
+    /// How a read's chunks are spread over the copies (WEIGHTSTREAM_ROUTE;
+    /// default adaptive).
+    #[arg(long, value_enum)]
+    pub(crate) route: Option<RouteArg>,
+}
+
+/// Engine settings shared by the commands that read.
+#[derive(clap::Args, Debug)]
+pub(crate) struct EngineArgs {
+    /// I/O backend: auto (io_uring, else pread), uring, pread, or sync (the
+    /// one-read-at-a-time reference path). Default: WEIGHTSTREAM_BACKEND or auto.
+    #[arg(long, value_enum)]
+    pub(crate) backend: Option<BackendArg>,
+    /// Chunks in flight per drive (default: WEIGHTSTREAM_QD or 32).
+    #[arg(long)]
+    pub(crate) qd: Option<usize>,
+    /// Largest chunk, e.g. 1MiB (default: the device's max_sectors_kb, clamped to 1-4 MiB).
+    #[arg(long, value_parser = parse_bytes)]
+    pub(crate) chunk: Option<u64>,
+    /// Reads kept in flight (slots in the arena).
+    #[arg(long, default_value_t = 8)]
+    pub(crate) inflight: usize,
+    /// Kernel-side submission polling (a kernel thread per ring spins; opt-in).
+    #[arg(long)]
+    pub(crate) sqpoll: bool,
+    /// Completion polling: auto (the bare flag: on drives whose queue/io_poll
+    /// says they poll), force (every drive) or off (default: WEIGHTSTREAM_IOPOLL or off).
+    #[arg(long, value_enum, num_args = 0..=1, default_missing_value = "auto")]
+    pub(crate) iopoll: Option<IoPollArg>,
+    /// How reads are issued per drive: auto (a probe at start: one ring per
+    /// CPU on a drive that completes reads inline, like zram; else one
+    /// ring), inline, rings:N, or async (IOSQE_ASYNC: io-wq workers issue
+    /// the reads). Default: WEIGHTSTREAM_SUBMIT or auto.
+    #[arg(long, value_parser = parse_submit)]
+    pub(crate) submit: Option<SubmitMode>,
+    /// NUMA placement: on (bind each drive's I/O threads to its node's CPUs,
+    /// prefer local copies) or off (default: WEIGHTSTREAM_NUMA or on).
+    #[arg(long, value_enum)]
+    pub(crate) numa: Option<OnOff>,
+}
+
+/// `--route`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum RouteArg {
+    /// The whole read to one copy, by a hash of the tensor's group key.
+    Hash,
+    /// Every read split over all copies, in proportion to the weights.
+    Stripe,
+    /// Each chunk to the least loaded copy.
+    Adaptive,
+}
+
+impl From<RouteArg> for RoutePolicy {
+    fn from(r: RouteArg) -> Self {
+        match r {
+            RouteArg::Hash => RoutePolicy::Hash,
+            RouteArg::Stripe => RoutePolicy::Stripe,
+            RouteArg::Adaptive => RoutePolicy::Adaptive,
+        }
+    }
+}
+
+/// `--backend`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum BackendArg {
+    /// io_uring, else pread.
+    Auto,
+    /// io_uring only.
+    #[value(alias = "io_uring", alias = "io-uring")]
+    Uring,
+    /// The pread worker pool.
+    Pread,
+    /// The one-read-at-a-time reference path (no engine).
+    Sync,
+}
+
+/// `--numa`: on or off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum OnOff {
+    /// On.
+    #[value(alias = "1", alias = "true", alias = "yes")]
+    On,
+    /// Off.
+    #[value(alias = "0", alias = "false", alias = "no")]
+    Off,
+}
+
+/// `--direct`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum DirectArg {
+    /// O_DIRECT where possible, fallbacks counted.
+    Auto,
+    /// Refuse files that cannot open O_DIRECT.
+    On,
+    /// Buffered only.
+    Off,
+}
+
+impl From<DirectArg> for DirectMode {
+    fn from(d: DirectArg) -> Self {
+        match d {
+            DirectArg::Auto => DirectMode::Auto,
+            DirectArg::On => DirectMode::On,
+            DirectArg::Off => DirectMode::Off,
+        }
+    }
+}
+
+/// `--iopoll`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum IoPollArg {
+    /// Interrupt-driven completions.
+    Off,
+    /// Polled rings on drives whose queue polls.
+    Auto,
+    /// Polled rings on every drive.
+    Force,
+}
+
+impl From<IoPollArg> for IoPoll {
+    fn from(p: IoPollArg) -> Self {
+        match p {
+            IoPollArg::Off => IoPoll::Off,
+            IoPollArg::Auto => IoPoll::Auto,
+            IoPollArg::Force => IoPoll::Force,
+        }
+    }
+}
+
+/// `bench --sweep`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum SweepArg {
+    /// 8 configurations.
+    Quick,
+    /// 32 configurations.
+    Full,
+}
+
+/// `--weights`: the library's parser, typed.
+fn parse_weights(s: &str) -> Result<Weights, String> {
+    s.parse().map_err(|e: weightstream::Error| e.to_string())
+}
+
+/// `--submit`: auto, inline, async or rings:N (not a fixed set: typed by the
+/// library's parser).
+fn parse_submit(s: &str) -> Result<SubmitMode, String> {
+    s.parse().map_err(|e: weightstream::Error| e.to_string())
+}
+
+/// A size: `4GiB`, `300MB`, `1048576`.
+pub(crate) fn parse_bytes(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let num: f64 = num
+        .parse()
+        .map_err(|_| format!("{s:?}: expected a size such as 4GiB, 300MB or 1048576"))?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" => 1_000,
+        "kib" => 1 << 10,
+        "m" | "mb" => 1_000_000,
+        "mib" => 1 << 20,
+        "g" | "gb" => 1_000_000_000,
+        "gib" => 1 << 30,
+        "t" | "tb" => 1_000_000_000_000,
+        "tib" => 1 << 40,
+        u => return Err(format!("{s:?}: unknown unit {u:?}")),
+    };
+    Ok((num * mult as f64) as u64)
+}

@@ -1,0 +1,104 @@
+//! `weightstream bench`: the arms, interleaved, printed (or as JSON), with an optional chart.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+
+use weightstream::Model;
+
+use crate::bench::{self, Arm, BenchConfig};
+use crate::ceiling::SweepConfig;
+use crate::cli::{EngineArgs, LayoutArgs, SweepArg};
+use crate::commands::CliResult;
+use crate::plot;
+use crate::progress::Progress;
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn bench_cmd(
+    dir: PathBuf,
+    arms: Vec<Arm>,
+    (sweep, small_pages): (SweepArg, bool),
+    (runs, concurrency, seed, passes, timeline_ms): (usize, usize, u64, usize, Option<u64>),
+    filter: String,
+    eargs: &EngineArgs,
+    layout: &LayoutArgs,
+    plot: Option<PathBuf>,
+    json: bool,
+) -> CliResult {
+    let model = Model::open(layout.config(&dir, None)?)?;
+    let engine = eargs
+        .config()?
+        .ok_or("bench: --backend sync is not an arm; use --arms")?;
+    let mut ceiling = match sweep {
+        SweepArg::Quick => SweepConfig::quick(),
+        SweepArg::Full => SweepConfig::full(),
+    };
+    ceiling.huge_pages = !small_pages;
+    let cfg = BenchConfig {
+        arms,
+        runs,
+        concurrency,
+        seed,
+        filter,
+        engine,
+        fio: bench::fio::FioSweep::like(&ceiling),
+        ceiling,
+        passes,
+        timeline_ms,
+    };
+    let progress = Progress::new(!json && std::io::stderr().is_terminal(), runs);
+    let mut progress = |arm: Arm, run: usize, f: f64| progress.show(arm.name(), run, f);
+    let r = bench::run(&model, &cfg, &mut progress)?;
+    if let Some(p) = &plot {
+        let bars: Vec<(String, f64)> = r.arms.iter().map(|(n, a)| (n.clone(), a.gbps)).collect();
+        let title = format!(
+            "{} experts, concurrency {}, median of {} runs; ceiling {:.2} GB/s",
+            r.tensors, r.concurrency, r.runs, r.ceiling_gbps
+        );
+        std::fs::write(p, plot::bars_svg(&title, "GB/s", &bars, Some(r.ceiling_gbps)))?;
+    }
+    if json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+        return Ok(());
+    }
+    println!(
+        "{} tensors, {:.3} GB per run, concurrency {}, median of {} interleaved run(s)",
+        r.tensors,
+        r.bytes_per_run as f64 / 1e9,
+        r.concurrency,
+        r.runs,
+    );
+    println!("ceiling {:.3} GB/s ({})", r.ceiling_gbps, r.ceiling_config);
+    if let (Some(f), Some(c)) = (r.fio_gbps, &r.fio_config) {
+        println!(
+            "fio     {f:.3} GB/s ({c}; {}); ceiling / fio = {:.3}",
+            r.fio_version.as_deref().unwrap_or("fio"),
+            r.ceiling_gbps / f.max(1e-12)
+        );
+    }
+    println!(
+        "{:>15} {:>8} {:>15} {:>6} {:>9} {:>9} {:>8} {:>8} {:>12}",
+        "arm", "GB/s", "min-max", "ratio", "ratio_fio", "CPU s/GB", "p50 ms", "p99 ms", "cache grow"
+    );
+    for (n, a) in &r.arms {
+        let ms = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}"));
+        println!(
+            "{:>15} {:>8.3} {:>15} {:>6.3} {:>9} {:>9.3} {:>8} {:>8} {:>10.1}MB",
+            n,
+            a.gbps,
+            format!("{:.3}-{:.3}", a.gbps_min, a.gbps_max),
+            a.ratio,
+            a.ratio_fio.map_or("-".to_string(), |x| format!("{x:.3}")),
+            a.cpu_s_per_gb,
+            ms(a.p50_ms),
+            ms(a.p99_ms),
+            a.cache_growth_bytes as f64 / 1e6
+        );
+    }
+    for w in &r.warnings {
+        println!("warning: {w}");
+    }
+    for n in &r.notes {
+        println!("note: {n}");
+    }
+    Ok(())
+}

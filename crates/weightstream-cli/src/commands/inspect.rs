@@ -1,0 +1,171 @@
+//! `weightstream inspect`: shards, tensors, and per file and drive what the kernel and the topology say.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use weightstream::{escape, Engine, EngineConfig, Model};
+
+use crate::cli::{LayoutArgs, OnOff};
+use crate::commands::CliResult;
+
+pub(crate) fn inspect(dir: PathBuf, layout: &LayoutArgs, numa: Option<OnOff>, json: bool) -> CliResult {
+    let model = Model::open(layout.config(&dir, None)?)?;
+    // A short-lived engine places the drives exactly as a reading engine
+    // would (its ring threads bind themselves), and reports it.
+    let mut ec = EngineConfig::from_env()?;
+    if let Some(v) = numa {
+        ec = ec.numa(v == OnOff::On);
+    }
+    let engine = match Engine::new(&model, ec) {
+        Ok(e) => Some(e),
+        Err(e) => {
+            tracing::warn!("no engine to show NUMA placement: {e}");
+            None
+        }
+    };
+    let drive_stats = engine
+        .as_ref()
+        .map_or_else(|| model.stats().drives, |e| e.stats().drives);
+    let provider = engine.as_ref().map(|e| e.numa_provider().name());
+    let cat = model.catalog();
+    let copy_json = |f: &weightstream::ShardFile| {
+        serde_json::json!({
+            "path": escape(&f.path),
+            "rank": f.rank,
+            "drive": model.drives()[f.drive].device,
+            "fs_type": f.topo.fs_type,
+            "mount": escape(&f.topo.mount),
+            "dio_offset_align": f.topo.dio_offset_align,
+            "dio_mem_align": f.topo.dio_mem_align,
+            "align_source": f.topo.align_source,
+            "direct_opens": f.direct().is_some(),
+            "direct_refused": f.direct_refused,
+        })
+    };
+    let shards: Vec<serde_json::Value> = cat
+        .shards()
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            // The primary copy's fields at the top level, every copy under "copies".
+            let mut v = copy_json(&model.files()[i]);
+            let o = v.as_object_mut().expect("an object");
+            o.insert("name".into(), escape(&s.name).into());
+            o.insert("size".into(), model.files()[i].size.into());
+            o.insert("header_len".into(), s.header.header_len.into());
+            o.insert("data_start".into(), s.header.data_start.into());
+            o.insert("tensors".into(), s.header.tensors.len().into());
+            o.insert("device".into(), model.files()[i].topo.device.clone().into());
+            let copies: Vec<_> = model.copies(i).iter().map(|&c| copy_json(&model.files()[c])).collect();
+            o.insert("copies".into(), copies.into());
+            v
+        })
+        .collect();
+    let refused: Vec<_> = model.copy_report().iter().filter(|c| !c.accepted).collect();
+    if json {
+        // Serialised first: an error (not a panic in `json!`) if a field
+        // cannot be.
+        let refused = serde_json::to_value(&refused)?;
+        let drives = serde_json::to_value(&drive_stats)?;
+        let v = serde_json::json!({
+            "dir": escape(cat.dir()),
+            "shards": shards,
+            "tensors": cat.tensors().len(),
+            "bytes": cat.total_bytes(),
+            "route": model.route().name(),
+            "weights": model.rank_weights(),
+            "refused_copies": refused,
+            "numa_provider": provider,
+            "drives": drives,
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "model {}: {} shard(s), {} tensor(s), {} bytes; route {}, weights per copy rank {:?}",
+        escape(cat.dir()),
+        cat.shards().len(),
+        cat.tensors().len(),
+        cat.total_bytes(),
+        model.route().name(),
+        model.rank_weights()
+    )?;
+    for (i, s) in cat.shards().iter().enumerate() {
+        let f = &model.files()[i];
+        writeln!(
+            out,
+            "  {}  {} bytes, header {} bytes (data at {}), {} tensor(s), {} cop{}",
+            escape(&s.name),
+            f.size,
+            s.header.header_len,
+            s.header.data_start,
+            s.header.tensors.len(),
+            model.copies(i).len(),
+            if model.copies(i).len() == 1 { "y" } else { "ies" }
+        )?;
+        for &c in model.copies(i) {
+            let f = &model.files()[c];
+            writeln!(
+                out,
+                "    [{}] {}  drive {} ({} at {}), dio align offset {} / memory {} (from {:?}), O_DIRECT: {}",
+                f.rank,
+                escape(&f.path),
+                model.drives()[f.drive].device,
+                f.topo.fs_type,
+                escape(&f.topo.mount),
+                f.topo.dio_offset_align,
+                f.topo.dio_mem_align,
+                f.topo.align_source,
+                match (f.direct(), &f.direct_refused) {
+                    (Some(_), _) => "opens".to_string(),
+                    (None, Some(why)) => format!("no ({why})"),
+                    (None, None) => "no".to_string(),
+                }
+            )?;
+        }
+    }
+    for c in &refused {
+        writeln!(
+            out,
+            "  refused copy {} ({}): {}",
+            escape(&c.path),
+            escape(&c.shard),
+            c.reason.as_deref().unwrap_or("?")
+        )?;
+    }
+    for (d, st) in model.drives().iter().zip(&drive_stats) {
+        writeln!(
+            out,
+            "drive {} ({}, {}): dio align {}, O_DIRECT on every file: {}",
+            d.device,
+            d.fs_type,
+            escape(&d.mount),
+            d.dio_align,
+            d.direct_open
+        )?;
+        let Some(provider) = &provider else { continue };
+        let node = match (st.numa_node, &st.numa_note) {
+            (Some(n), _) => format!("NUMA node {n}"),
+            (None, Some(why)) => format!("NUMA node unknown ({why})"),
+            (None, None) => "NUMA node unknown".to_string(),
+        };
+        writeln!(
+            out,
+            "  {node}, cpuset {} [{provider}]; {} thread: {}",
+            st.cpuset.as_deref().unwrap_or("-"),
+            if st.ring.is_some() { "ring" } else { "pread" },
+            st.thread_binding.as_deref().unwrap_or("-")
+        )?;
+        if let Some(why) = &st.submit_reason {
+            writeln!(
+                out,
+                "  submit {why}{}",
+                st.iowq_max_workers
+                    .map_or(String::new(), |n| format!("; io-wq workers at most {n}"))
+            )?;
+        }
+    }
+    Ok(())
+}
