@@ -170,6 +170,9 @@ pub struct DriveStats {
     pub cross_node_bytes: u64,
     /// Chunks given up while the kernel still held them (their slots leaked).
     pub chunks_abandoned: u64,
+    /// Chunks the drive's I/O threads hold right now (a gauge; engines only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub in_flight: Option<u64>,
     /// How the ring issues reads: `inline` (the ring thread) or `async`
     /// (punted to io-wq workers); io_uring engines only.
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -238,6 +238,13 @@ fn io_thread_death(model: &Model, ex: &[TensorRef], cfg: EngineConfig, slow: boo
     let engine = Engine::new(model, cfg).unwrap();
     let arena = engine.arena(spec_for(model, &ex[0]), 2).unwrap();
     let ticket = engine.read(&ex[0], arena.take().unwrap()).unwrap();
+    // The fault hits the ring at the top of its loop: wait until it holds
+    // chunks of this read in the kernel, so the death is "with reads in
+    // flight" and not "before the read was queued".
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while engine.stats().drives[0].in_flight == Some(0) && !ticket.is_ready() && Instant::now() < deadline {
+        std::thread::yield_now();
+    }
     let was_in_flight = !ticket.is_ready();
     engine.inject_fault(0, Fault::PanicIoThread);
     let r = within(Duration::from_secs(20), "the ticket of a dead drive", move || {

@@ -23,14 +23,15 @@ pub enum BackendChoice {
 impl FromStr for BackendChoice {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "auto" => Ok(BackendChoice::Auto),
-            "uring" | "io_uring" | "io-uring" => Ok(BackendChoice::Uring),
-            "pread" => Ok(BackendChoice::Pread),
-            other => Err(Error::Config(format!(
-                "backend {other:?}: expected auto, uring or pread"
-            ))),
-        }
+        super::parse_word(
+            "backend",
+            s,
+            &[
+                (&["auto"], BackendChoice::Auto),
+                (&["uring", "io_uring", "io-uring"], BackendChoice::Uring),
+                (&["pread"], BackendChoice::Pread),
+            ],
+        )
     }
 }
 
@@ -52,14 +53,15 @@ pub enum IoPoll {
 impl FromStr for IoPoll {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "0" | "off" | "false" => Ok(IoPoll::Off),
-            "1" | "on" | "true" | "auto" => Ok(IoPoll::Auto),
-            "force" => Ok(IoPoll::Force),
-            other => Err(Error::Config(format!(
-                "iopoll {other:?}: expected off, auto (on) or force"
-            ))),
-        }
+        super::parse_word(
+            "iopoll",
+            s,
+            &[
+                (&["off", "0", "false"], IoPoll::Off),
+                (&["auto", "on", "1", "true"], IoPoll::Auto),
+                (&["force"], IoPoll::Force),
+            ],
+        )
     }
 }
 

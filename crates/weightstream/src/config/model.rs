@@ -27,14 +27,15 @@ pub enum DirectMode {
 impl FromStr for DirectMode {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "auto" => Ok(DirectMode::Auto),
-            "on" | "1" | "true" => Ok(DirectMode::On),
-            "off" | "0" | "false" => Ok(DirectMode::Off),
-            other => Err(Error::Config(format!(
-                "direct mode {other:?}: expected auto, on or off"
-            ))),
-        }
+        super::parse_word(
+            "direct mode",
+            s,
+            &[
+                (&["auto"], DirectMode::Auto),
+                (&["on", "1", "true"], DirectMode::On),
+                (&["off", "0", "false"], DirectMode::Off),
+            ],
+        )
     }
 }
 
@@ -61,14 +62,15 @@ pub enum RoutePolicy {
 impl FromStr for RoutePolicy {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "hash" => Ok(RoutePolicy::Hash),
-            "stripe" => Ok(RoutePolicy::Stripe),
-            "adaptive" => Ok(RoutePolicy::Adaptive),
-            other => Err(Error::Config(format!(
-                "route {other:?}: expected hash, stripe or adaptive"
-            ))),
-        }
+        super::parse_word(
+            "route",
+            s,
+            &[
+                (&["hash"], RoutePolicy::Hash),
+                (&["stripe"], RoutePolicy::Stripe),
+                (&["adaptive"], RoutePolicy::Adaptive),
+            ],
+        )
     }
 }
 

@@ -267,6 +267,7 @@ impl Engine {
         }
         for (i, d) in s.drives.iter_mut().enumerate() {
             d.stopped = self.io.drive_stopped(i);
+            d.in_flight = Some(self.io.in_flight(i) as u64);
         }
         s
     }
@@ -315,10 +316,7 @@ impl Engine {
                     let _ = t.join();
                 }
             } else {
-                let n: usize = self.io.queues[self.io.lanes[d].clone()]
-                    .iter()
-                    .map(|q| q.in_kernel.load(Ordering::Relaxed) + q.active.load(Ordering::Relaxed))
-                    .sum();
+                let n = self.io.in_flight(d);
                 let device = self.model.drives()[d].device.clone();
                 tracing::warn!(
                     drive = %device,

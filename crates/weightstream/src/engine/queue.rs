@@ -175,6 +175,15 @@ impl Io {
             .unwrap_or(r.start)
     }
 
+    /// Chunks drive `d`'s I/O threads hold now (in a ring's in-flight
+    /// table, or in a pread worker's hand); rings update it once per loop.
+    pub(crate) fn in_flight(&self, d: usize) -> usize {
+        self.queues[self.lanes[d].clone()]
+            .iter()
+            .map(|q| q.in_kernel.load(Ordering::Relaxed) + q.active.load(Ordering::Relaxed))
+            .sum()
+    }
+
     /// Why drive `d` takes no more work: `None` while any lane is open.
     pub(crate) fn drive_stopped(&self, d: usize) -> Option<String> {
         let lanes = &self.queues[self.lanes[d].clone()];

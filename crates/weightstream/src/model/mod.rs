@@ -199,6 +199,7 @@ impl Model {
                     thread_binding: None,
                     cross_node_bytes: ld(&c.cross_node_bytes),
                     chunks_abandoned: ld(&c.chunks_abandoned),
+                    in_flight: None,
                     submit: None,
                     rings: None,
                     submit_reason: None,
