@@ -32,7 +32,14 @@ fn main() -> ExitCode {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
     let cli = Cli::parse();
-    let default = match cli.verbose {
+    init_logging(cli.verbose);
+    run(cli.cmd)
+}
+
+/// Logs to stderr: warnings by default, `-v` info, `-vv` debug, or
+/// `WEIGHTSTREAM_LOG` (an env-filter directive).
+fn init_logging(verbose: u8) {
+    let default = match verbose {
         0 => "warn",
         1 => "info",
         _ => "debug",
@@ -45,7 +52,12 @@ fn main() -> ExitCode {
         .with_ansi(std::io::stderr().is_terminal())
         .with_target(false)
         .init();
-    let r = match cli.cmd {
+}
+
+/// Runs one command: exit 0 on success, 1 on an error (said on stderr);
+/// `verify` has its own statuses.
+fn run(cmd: Cmd) -> ExitCode {
+    let r = match cmd {
         // Its own exit status: 0 nothing changed, 1 changed, 2 could not check.
         Cmd::Verify {
             model_dir,
