@@ -26,11 +26,15 @@ pub enum FallbackCause {
     ShortDirect,
     /// An O_DIRECT read failed with another errno; re-read buffered.
     DirectError,
+    /// The caller placed the payload (`Engine::read_into`) where no O_DIRECT
+    /// window fits before it (scratch taken by another slot, or the address
+    /// off the files' alignment): read buffered straight into place.
+    Placed,
 }
 
 impl FallbackCause {
     /// Every cause, in counter order.
-    pub const ALL: [FallbackCause; 7] = [
+    pub const ALL: [FallbackCause; 8] = [
         FallbackCause::DirectOpenRefused,
         FallbackCause::SlotMisaligned,
         FallbackCause::SlotAlignTooSmall,
@@ -38,6 +42,7 @@ impl FallbackCause {
         FallbackCause::DeviceEinval,
         FallbackCause::ShortDirect,
         FallbackCause::DirectError,
+        FallbackCause::Placed,
     ];
 
     /// The cause's name in the stats (`direct_open_refused`, ...).
@@ -50,13 +55,14 @@ impl FallbackCause {
             FallbackCause::DeviceEinval => "device_einval",
             FallbackCause::ShortDirect => "short_direct",
             FallbackCause::DirectError => "direct_error",
+            FallbackCause::Placed => "placed",
         }
     }
 
-    /// `NoBulk` is the expected path for sub-block tensors: counted, but not
-    /// worth a warning.
+    /// `NoBulk` (sub-block tensors) and `Placed` (the caller's choice of
+    /// address) are expected paths: counted, but not worth a warning.
     fn is_warning(self) -> bool {
-        !matches!(self, FallbackCause::NoBulk)
+        !matches!(self, FallbackCause::NoBulk | FallbackCause::Placed)
     }
 }
 

@@ -12,11 +12,10 @@ use crate::engine::sync::lock_std as lock;
 use crate::engine::{Backend, Engine};
 use crate::memory::{Arena, Slot};
 
-/// An arena registered as fixed buffers: `slots_per_buffer` consecutive
-/// slots per registered buffer, starting at table index `first`.
+/// An arena registered as fixed buffers: its pieces (`Arena::pieces`, at
+/// most 1 GiB each) at table indices `first..first + n`.
 pub(crate) struct ArenaReg {
     id: u64,
-    slots_per_buffer: usize,
     first: u32,
     n: u32,
 }
@@ -68,30 +67,24 @@ impl Engine {
     /// ring thread is asked (a ring thread may itself need the registry: an
     /// arena's release hook runs wherever its last slot is dropped).
     fn register(&self, arena: &Arena) {
-        let slot_len = arena.slot_len();
+        let bytes = arena.bytes();
         let refuse = |why: String| {
             let mut reg = lock(&self.registry);
             if reg.unregistered.is_none() {
-                tracing::warn!("arena of {} bytes not registered as fixed buffers: {why}; its reads use plain Read (counted as chunks_unregistered)", arena.len() * slot_len);
+                tracing::warn!("arena of {bytes} bytes not registered as fixed buffers: {why}; its reads use plain Read (counted as chunks_unregistered)");
             }
             reg.unregistered = Some(why);
         };
-        if slot_len > MAX_FIXED_BUFFER_BYTES {
+        let Some(iovecs) = arena.pieces() else {
             return refuse(format!(
-                "a slot of {slot_len} bytes exceeds the 1 GiB fixed-buffer limit"
+                "a slot of {} bytes exceeds the {MAX_FIXED_BUFFER_BYTES}-byte fixed-buffer limit",
+                arena.slot_len()
             ));
-        }
-        let per = (MAX_FIXED_BUFFER_BYTES / slot_len).max(1);
-        let n = arena.len().div_ceil(per) as u32;
+        };
+        let n = iovecs.len() as u32;
         let Some(first) = lock(&self.registry).alloc(n) else {
             return refuse(format!("the fixed-buffer table ({MAX_FIXED_BUFFERS} entries) is full"));
         };
-        let iovecs: Vec<_> = (0..n as usize)
-            .map(|k| {
-                let first_slot = k * per;
-                arena.slots_range(first_slot, per.min(arena.len() - first_slot))
-            })
-            .collect();
         let mut took = Vec::with_capacity(self.io.queues.len());
         for (i, q) in self.io.queues.iter().enumerate() {
             let (tx, rx) = std::sync::mpsc::channel();
@@ -112,10 +105,9 @@ impl Engine {
                 Err(_) => None, // the thread stopped without answering
                 Ok(Err(e)) if e.raw_os_error() == Some(libc::ENOMEM) => {
                     let (soft, _) = memlock_limit();
-                    let need_kib = ((arena.len() * slot_len).div_ceil(1024) * self.drives.len()) as u64;
+                    let need_kib = (bytes.div_ceil(1024) * self.io.queues.len()) as u64;
                     Some(format!(
-                        "registering {} bytes failed with ENOMEM: RLIMIT_MEMLOCK is {}; raise it (`ulimit -l {}` or more, in KiB) or run with CAP_IPC_LOCK",
-                        arena.len() * slot_len,
+                        "registering {bytes} bytes failed with ENOMEM: RLIMIT_MEMLOCK is {}; raise it (`ulimit -l {}` or more, in KiB) or run with CAP_IPC_LOCK",
                         soft.map_or("unlimited".to_string(), |s| format!("{s} bytes")),
                         need_kib + soft.unwrap_or(0) / 1024
                     ))
@@ -133,7 +125,6 @@ impl Engine {
         }
         lock(&self.registry).arenas.push(ArenaReg {
             id: arena.id(),
-            slots_per_buffer: per,
             first,
             n,
         });
@@ -173,6 +164,7 @@ impl Engine {
         }
         let reg = lock(&self.registry);
         let a = reg.arenas.iter().find(|a| a.id == slot.arena_id())?;
-        Some((a.first as usize + slot.index() / a.slots_per_buffer) as u16)
+        let piece = slot.piece()? as u32;
+        (piece < a.n).then(|| (a.first + piece) as u16)
     }
 }

@@ -20,10 +20,12 @@
 //! free list, slot access, drop order and release hooks are the same code.
 
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::error::{Error, Result};
+use crate::memory::carve::Extents;
+use crate::memory::region::Region;
 
 /// The shape of every slot in an arena.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -131,18 +133,39 @@ pub(crate) fn page_size() -> usize {
     rustix::param::page_size()
 }
 
+/// The largest range registered as one fixed buffer (the kernel's limit):
+/// an arena is registered in pieces of at most this, and a slot inside one
+/// piece has a buffer index.
+pub(crate) const PIECE: usize = 1 << 30;
+
+/// How a mapping is carved into slots.
+enum Carve {
+    /// `count` slots of one spec, `slot_len` bytes each, handed out by index.
+    Fixed {
+        spec: SlotSpec,
+        slot_len: usize,
+        count: usize,
+        free: Mutex<Vec<usize>>,
+    },
+    /// Slots of any size: first fit over the free extents (none crossing a
+    /// [`PIECE`]), or at a place the caller names.
+    Packed {
+        /// Scratch alignment of the slots this arena sizes itself
+        /// ([`Arena::take_for`]).
+        align: usize,
+        extents: Mutex<Extents>,
+    },
+}
+
 struct Mapping {
     /// Unique for the process lifetime: registrations are keyed by it, never
     /// by address (a new arena may be mapped where a dropped one was).
     id: u64,
     region: Region,
-    spec: SlotSpec,
-    slot_len: usize,
-    count: usize,
+    carve: Carve,
     /// The NUMA node the pages are bound to (`None`: wherever first touch
     /// put them).
     node: Option<usize>,
-    free: Mutex<Vec<usize>>,
     /// Run when the mapping goes (no slot or arena handle left): engines
     /// unregister the arena's fixed buffers here.
     on_release: Mutex<Vec<ReleaseHook>>,
@@ -156,17 +179,29 @@ impl Mapping {
     fn unmapped_here(&self) -> bool {
         self.region.dontfork && self.origin.forked()
     }
+
+    fn new(region: Region, carve: Carve, node: Option<usize>) -> Arc<Self> {
+        Arc::new(Mapping {
+            id: NEXT_ARENA_ID.fetch_add(1, Ordering::Relaxed),
+            region,
+            carve,
+            node,
+            on_release: Mutex::new(Vec::new()),
+            origin: crate::fork::Origin::here(),
+        })
+    }
 }
 
 type ReleaseHook = Box<dyn FnOnce() + Send>;
 
-// SAFETY: the mapping is plain memory owned by this struct; every byte of it
-// is reached only through a `Slot`, and each slot index is held by at most
-// one `Slot` at a time (the free list hands an index out once), so sharing
-// the mapping across threads never aliases a mutable byte.
+// SAFETY: the mapping is plain memory owned (or, for caller memory, lent for
+// its whole life) by this struct; every byte of it is reached only through
+// a `Slot`, and each byte range is held by at most one `Slot` at a time (the
+// free list and the extents hand a range out once), so sharing the mapping
+// across threads never aliases a mutable byte.
 unsafe impl Send for Mapping {}
-// SAFETY: as above; `&Mapping` only exposes the free list (a Mutex) and
-// read-only geometry.
+// SAFETY: as above; `&Mapping` only exposes the free structures (behind
+// Mutexes) and read-only geometry.
 unsafe impl Sync for Mapping {}
 
 impl Drop for Mapping {
@@ -176,189 +211,6 @@ impl Drop for Mapping {
             h();
         }
         // `region` (a field) is released after this body: after the hooks.
-    }
-}
-
-/// The memory of one arena: an anonymous private mapping, `MADV_DONTFORK`
-/// (under Miri: a page-aligned, zeroed heap allocation). Released on drop.
-struct Region {
-    ptr: NonNull<u8>,
-    len: usize,
-    /// `madvise(MADV_DONTFORK)` succeeded: a forked child does not get these
-    /// pages. Always false under Miri (no mapping, no fork).
-    dontfork: bool,
-    /// `madvise(MADV_HUGEPAGE)` succeeded on a 2 MiB-aligned region: the
-    /// kernel backs it with transparent huge pages where it can.
-    huge: bool,
-    /// What the memory was allocated with (Miri only).
-    #[cfg(miri)]
-    layout: std::alloc::Layout,
-}
-
-/// A transparent huge page (x86-64, arm64 with 4 KiB base pages).
-#[cfg(not(miri))]
-const HUGE_PAGE: usize = 2 << 20;
-
-static HUGEPAGE_REFUSALS: AtomicU64 = AtomicU64::new(0);
-static HUGEPAGE_WARNED: AtomicBool = AtomicBool::new(false);
-
-/// Arena mappings of at least 2 MiB whose `madvise(MADV_HUGEPAGE)` the
-/// kernel refused (they use 4 KiB pages; warned once). A kernel with
-/// transparent huge pages `never` accepts the advice and ignores it: see
-/// [`Arena::huge_page_bytes`] for what an arena really got.
-pub fn hugepage_refusals() -> u64 {
-    HUGEPAGE_REFUSALS.load(Ordering::Relaxed)
-}
-
-/// Mappings whose `madvise(MADV_DONTFORK)` failed, in this process.
-static DONTFORK_FAILURES: AtomicU64 = AtomicU64::new(0);
-static DONTFORK_WARNED: AtomicBool = AtomicBool::new(false);
-
-/// How many arena mappings of this process `fork()` would copy into a child
-/// because `madvise(MADV_DONTFORK)` failed on them (warned once, at the
-/// first). 0 when every arena is fork-protected.
-pub fn dontfork_failures() -> u64 {
-    DONTFORK_FAILURES.load(Ordering::Relaxed)
-}
-
-impl Region {
-    /// `len` bytes (> 0, <= `isize::MAX`), readable and writable, starting
-    /// on a page boundary (on a 2 MiB boundary, advised for transparent huge
-    /// pages, when `len` is at least 2 MiB). `populate` faults every page in
-    /// now.
-    ///
-    /// Huge pages matter for I/O: a read into physically contiguous memory
-    /// is one segment per 2 MiB instead of one per 4 KiB page, and a device
-    /// caps the segments of a request (virtio-blk: 254, so a 1 MiB read into
-    /// 4 KiB pages is split in two); registering them pins fewer pages.
-    #[cfg(not(miri))]
-    fn new(len: usize, populate: bool) -> Result<Region> {
-        use rustix::mm::{Advice, MapFlags, ProtFlags};
-        let huge = len >= HUGE_PAGE;
-        // Room to align the start to a huge page, trimmed off below.
-        let map_len = if huge { len.checked_add(HUGE_PAGE) } else { Some(len) }
-            .filter(|&l| l <= isize::MAX as usize)
-            .ok_or_else(|| Error::Config(format!("an arena of {len} bytes exceeds isize::MAX")))?;
-        // SAFETY: a fresh anonymous private mapping at an address of the
-        // kernel's choosing aliases no existing memory.
-        let raw = unsafe {
-            rustix::mm::mmap_anonymous(
-                std::ptr::null_mut(),
-                map_len,
-                ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::PRIVATE,
-            )
-        }
-        .map_err(|e| Error::io("<anonymous arena>", "mmap", e))?;
-        let base = raw as usize;
-        let start = if huge { base.next_multiple_of(HUGE_PAGE) } else { base };
-        if huge {
-            let (head, tail) = (start - base, map_len - len - (start - base));
-            // SAFETY: both ranges are the unused ends of the mapping just
-            // made (before `start`, after `start + len`); nothing refers to
-            // them. Unmapping them leaves exactly `start..start + len`.
-            unsafe {
-                if head > 0 {
-                    let _ = rustix::mm::munmap(raw, head);
-                }
-                if tail > 0 {
-                    let _ = rustix::mm::munmap((start + len) as *mut std::ffi::c_void, tail);
-                }
-            }
-        }
-        let Some(ptr) = NonNull::new(start as *mut u8) else {
-            return Err(Error::Config(format!("mmap of {len} bytes returned a null address")));
-        };
-        let mut region = Region {
-            ptr,
-            len,
-            dontfork: false,
-            huge: false,
-        };
-        // SAFETY: `ptr..ptr+len` is exactly the mapping owned by `region`;
-        // MADV_DONTFORK changes only whether fork() copies it, never its
-        // contents or its address.
-        match unsafe { rustix::mm::madvise(ptr.as_ptr().cast(), len, Advice::LinuxDontFork) } {
-            Ok(()) => region.dontfork = true,
-            Err(e) => {
-                DONTFORK_FAILURES.fetch_add(1, Ordering::Relaxed);
-                if !DONTFORK_WARNED.swap(true, Ordering::Relaxed) {
-                    tracing::warn!(
-                        "madvise(MADV_DONTFORK) on an arena of {len} bytes failed: {e}; fork() will copy this arena \
-                         into the child (said once; counted in weightstream::arena::dontfork_failures)"
-                    );
-                }
-            }
-        }
-        if huge {
-            // SAFETY: as above; MADV_HUGEPAGE changes only how the kernel
-            // backs the (still untouched) pages.
-            match unsafe { rustix::mm::madvise(ptr.as_ptr().cast(), len, Advice::LinuxHugepage) } {
-                Ok(()) => region.huge = true,
-                Err(e) => {
-                    HUGEPAGE_REFUSALS.fetch_add(1, Ordering::Relaxed);
-                    if !HUGEPAGE_WARNED.swap(true, Ordering::Relaxed) {
-                        tracing::warn!(
-                            "madvise(MADV_HUGEPAGE) on an arena of {len} bytes failed: {e}; it uses 4 KiB pages \
-                             (more segments per read; said once; counted in weightstream::arena::hugepage_refusals)"
-                        );
-                    }
-                }
-            }
-        }
-        if populate {
-            region.touch();
-        }
-        Ok(region)
-    }
-
-    /// Faults every page in (after any advice or NUMA policy is set, so
-    /// each page is allocated under it).
-    fn touch(&self) {
-        for off in (0..self.len).step_by(page_size()) {
-            // SAFETY: `off < len`, inside the mapping; no slot exists yet, so
-            // this write aliases nothing. Volatile so the first touch happens.
-            unsafe { std::ptr::write_volatile(self.ptr.as_ptr().add(off), 0) };
-        }
-    }
-
-    /// Miri cannot model mmap or madvise: the same geometry from the global
-    /// allocator, page-aligned and zeroed like a fresh anonymous mapping.
-    #[cfg(miri)]
-    fn new(len: usize, _populate: bool) -> Result<Region> {
-        let layout = std::alloc::Layout::from_size_align(len, page_size())
-            .map_err(|e| Error::Config(format!("an arena of {len} bytes: {e}")))?;
-        // SAFETY: the layout's size is non-zero (`len` > 0, checked by `map`).
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        let Some(ptr) = NonNull::new(ptr) else {
-            return Err(Error::Config(format!("allocating an arena of {len} bytes failed")));
-        };
-        Ok(Region {
-            ptr,
-            len,
-            dontfork: false,
-            huge: false,
-            layout,
-        })
-    }
-}
-
-impl Drop for Region {
-    fn drop(&mut self) {
-        #[cfg(not(miri))]
-        {
-            // SAFETY: `ptr`/`len` are exactly the mapping made by
-            // `Region::new`, and no `Slot` exists any more (each holds an
-            // `Arc<Mapping>`, which owns this region), so nothing can reach
-            // the memory after this.
-            let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast(), self.len) };
-        }
-        #[cfg(miri)]
-        {
-            // SAFETY: allocated by `Region::new` with this same layout; no
-            // `Slot` exists any more (as above).
-            unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) };
-        }
     }
 }
 
@@ -383,14 +235,21 @@ fn map(spec: SlotSpec, count: usize, populate: bool) -> Result<(Region, usize)> 
     Ok((Region::new(len, populate)?, slot_len))
 }
 
-/// A set of equally sized, page-aligned slots in one anonymous mapping.
+/// Page-aligned memory payloads land in, carved into slots: either `count`
+/// slots of one [`SlotSpec`] ([`Arena::new`]), or slots of any size taken
+/// as needed from one mapping ([`Arena::packed`], [`Arena::take_for`]), so
+/// a model's tensors of every size share one registered arena. Memory a
+/// caller owns can be lent to an engine as an arena too
+/// (`Engine::register_memory`). Cloning an arena clones a handle; the
+/// memory lives as long as any handle or slot of it does.
 ///
 /// A forked child cannot touch an arena: its pages are not mapped in the
 /// child (`MADV_DONTFORK`, so `fork()` neither copies them nor lets a child
-/// reach memory the kernel may be writing for the parent). Touching a slot
-/// in a child faults. If the kernel refuses the advice the arena still
-/// works, but is copied on fork: warned once, and visible in
-/// [`Arena::fork_protected`] and [`dontfork_failures`].
+/// reach memory the kernel may be writing for the parent); in a child
+/// `take` returns `None` and touching a slot panics naming the cause. If
+/// the kernel refuses the advice the arena still works, but is copied on
+/// fork: warned once, and visible in [`Arena::fork_protected`] and
+/// [`dontfork_failures`](crate::dontfork_failures).
 #[derive(Clone)]
 pub struct Arena {
     map: Arc<Mapping>,
@@ -398,11 +257,17 @@ pub struct Arena {
 
 impl std::fmt::Debug for Arena {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Arena")
-            .field("spec", &self.map.spec)
-            .field("slots", &self.map.count)
-            .field("free", &self.available())
-            .finish()
+        let mut d = f.debug_struct("Arena");
+        d.field("bytes", &self.map.region.len);
+        match &self.map.carve {
+            Carve::Fixed { spec, count, .. } => {
+                d.field("spec", spec).field("slots", count);
+            }
+            Carve::Packed { align, .. } => {
+                d.field("packed", &true).field("align", align);
+            }
+        }
+        d.field("available", &self.available()).finish()
     }
 }
 
@@ -411,7 +276,7 @@ impl Arena {
     /// does not pay page faults.
     pub fn new(spec: SlotSpec, count: usize) -> Result<Self> {
         let (region, slot_len) = map(spec, count, true)?;
-        Ok(Arena::from_mapping(region, spec, slot_len, count, None))
+        Ok(Arena::fixed(region, spec, slot_len, count, None))
     }
 
     /// Maps `count` slots of `spec` without faulting them in, runs `bind`
@@ -427,7 +292,7 @@ impl Arena {
         let (region, slot_len) = map(spec, count, false)?;
         let (ptr, len) = (region.ptr, region.len);
         // Built first so the mapping is unmapped on every error path.
-        let arena = Arena::from_mapping(region, spec, slot_len, count, Some(node));
+        let arena = Arena::fixed(region, spec, slot_len, count, Some(node));
         // SAFETY: `ptr..ptr+len` is the fresh mapping just made, readable and
         // writable; no slot has been handed out, so nothing else reaches it.
         // An untouched anonymous page reads as zeros.
@@ -437,19 +302,42 @@ impl Arena {
         Ok(arena)
     }
 
-    fn from_mapping(region: Region, spec: SlotSpec, slot_len: usize, count: usize, node: Option<usize>) -> Self {
+    /// An arena of `bytes` (rounded up to the page) carved into slots of any
+    /// size as they are taken ([`Arena::take_sized`], [`Arena::take_for`]),
+    /// first fit, each a multiple of the page; `align` is the scratch the
+    /// slots it sizes itself reserve before a payload (a power of two, at
+    /// least the files' O_DIRECT alignment). `populate` faults every page in
+    /// now (else each is faulted by its first read).
+    pub fn packed(bytes: usize, align: usize, populate: bool) -> Result<Self> {
+        let len = round_up(bytes.max(1), page_size())
+            .filter(|&l| l <= isize::MAX as usize)
+            .ok_or_else(|| Error::Config(format!("a packed arena of {bytes} bytes exceeds isize::MAX")))?;
+        SlotSpec::new(0).with_align(align).validate()?;
+        let region = Region::new(len, populate)?;
+        Ok(Arena::packed_over(region, align, None))
+    }
+
+    /// A packed arena over `region` (mapped here, or lent by a caller).
+    pub(crate) fn packed_over(region: Region, align: usize, node: Option<usize>) -> Self {
+        let len = region.len;
+        let carve = Carve::Packed {
+            align,
+            extents: Mutex::new(Extents::new(len, page_size(), PIECE)),
+        };
         Arena {
-            map: Arc::new(Mapping {
-                id: NEXT_ARENA_ID.fetch_add(1, Ordering::Relaxed),
-                region,
-                spec,
-                slot_len,
-                count,
-                node,
-                free: Mutex::new((0..count).rev().collect()),
-                on_release: Mutex::new(Vec::new()),
-                origin: crate::fork::Origin::here(),
-            }),
+            map: Mapping::new(region, carve, node),
+        }
+    }
+
+    fn fixed(region: Region, spec: SlotSpec, slot_len: usize, count: usize, node: Option<usize>) -> Self {
+        let carve = Carve::Fixed {
+            spec,
+            slot_len,
+            count,
+            free: Mutex::new((0..count).rev().collect()),
+        };
+        Arena {
+            map: Mapping::new(region, carve, node),
         }
     }
 
@@ -459,9 +347,13 @@ impl Arena {
         self.map.node
     }
 
-    /// The shape of every slot.
+    /// The shape of every slot of a fixed arena; for a packed one, the
+    /// shape of a zero-capacity slot with the arena's scratch alignment.
     pub fn spec(&self) -> SlotSpec {
-        self.map.spec
+        match &self.map.carve {
+            Carve::Fixed { spec, .. } => *spec,
+            Carve::Packed { align, .. } => SlotSpec::new(0).with_align(*align),
+        }
     }
 
     /// Identity of this arena (unique in the process).
@@ -469,31 +361,137 @@ impl Arena {
         self.map.id
     }
 
-    /// Number of slots.
+    /// Number of slots of a fixed arena; slots out right now of a packed one.
     pub fn len(&self) -> usize {
-        self.map.count
+        match &self.map.carve {
+            Carve::Fixed { count, .. } => *count,
+            Carve::Packed { extents, .. } => lock(extents).used_count(),
+        }
     }
 
-    /// Never true: an arena has at least one slot.
+    /// Whether a packed arena has no slot out (a fixed arena: never).
     pub fn is_empty(&self) -> bool {
-        self.map.count == 0
+        self.len() == 0
     }
 
-    /// Slots not handed out right now.
+    /// Bytes of the whole mapping.
+    pub fn bytes(&self) -> usize {
+        self.map.region.len
+    }
+
+    /// Whether the memory is a caller's, lent with `Engine::register_memory`.
+    pub fn is_borrowed(&self) -> bool {
+        self.map.region.borrowed
+    }
+
+    /// Slots not handed out right now (fixed arenas); free bytes (packed).
     pub fn available(&self) -> usize {
-        self.map.free.lock().expect("arena free list").len()
+        match &self.map.carve {
+            Carve::Fixed { free, .. } => lock(free).len(),
+            Carve::Packed { extents, .. } => lock(extents).free_bytes(),
+        }
     }
 
-    /// Takes a free slot, or `None` when all are out.
+    /// Takes a free slot of a fixed arena, or `None` when all are out (or in
+    /// a forked child, where the slots' pages are not mapped). A packed arena
+    /// has no slot size of its own: use [`Arena::take_sized`].
     pub fn take(&self) -> Option<Slot> {
         if self.map.unmapped_here() {
-            // A forked child: the slots' pages are not mapped here.
             return None;
         }
-        let index = self.map.free.lock().expect("arena free list").pop()?;
+        match &self.map.carve {
+            Carve::Fixed {
+                spec, slot_len, free, ..
+            } => {
+                let index = lock(free).pop()?;
+                Some(Slot {
+                    map: Arc::clone(&self.map),
+                    offset: index * slot_len,
+                    len: *slot_len,
+                    spec: *spec,
+                    exact: false,
+                })
+            }
+            Carve::Packed { .. } => None,
+        }
+    }
+
+    /// A slot of `spec` from a packed arena (first fit), or `None` when no
+    /// free extent holds it. A fixed arena hands out its own slots if `spec`
+    /// fits them. An invalid spec is `None` (see [`SlotSpec::validate`]).
+    pub fn take_sized(&self, spec: SlotSpec) -> Option<Slot> {
+        if self.map.unmapped_here() {
+            return None;
+        }
+        match &self.map.carve {
+            Carve::Fixed { spec: own, .. } => {
+                let fits =
+                    spec.capacity <= own.capacity && spec.align <= own.align && (!spec.tail_room || own.tail_room);
+                fits.then(|| self.take()).flatten()
+            }
+            Carve::Packed { extents, .. } => {
+                let want = spec.slot_len().ok()?;
+                let (offset, len) = lock(extents).take(want)?;
+                Some(Slot {
+                    map: Arc::clone(&self.map),
+                    offset,
+                    len,
+                    spec,
+                    exact: false,
+                })
+            }
+        }
+    }
+
+    /// The smallest slot that holds `tensor` read in place: its payload's
+    /// offset within an O_DIRECT block is known, so only that much scratch
+    /// is reserved before it (a fixed arena: one of its slots, if it fits).
+    pub fn take_for(&self, tensor: &crate::format::catalog::TensorRef) -> Option<Slot> {
+        let align = match &self.map.carve {
+            Carve::Fixed { spec, .. } => spec.align,
+            Carve::Packed { align, .. } => *align,
+        };
+        let cap = usize::try_from(tensor.len).ok()?;
+        let spec = SlotSpec::new(cap).with_align(align);
+        match &self.map.carve {
+            Carve::Fixed { .. } => self.take_sized(spec),
+            Carve::Packed { extents, .. } => {
+                if self.map.unmapped_here() {
+                    return None;
+                }
+                let pad = (tensor.offset % align as u64) as usize;
+                let want = pad.checked_add(cap.max(1))?;
+                let (offset, len) = lock(extents).take(want)?;
+                Some(Slot {
+                    map: Arc::clone(&self.map),
+                    offset,
+                    len,
+                    spec,
+                    exact: false,
+                })
+            }
+        }
+    }
+
+    /// A slot of a packed arena at exactly `[offset, offset + len)` (`len`
+    /// rounded up to the page; `offset` on a page), if that range is free.
+    /// `exact` makes the payload land at the slot's first byte (no scratch
+    /// before it: such a read goes buffered, counted); otherwise it lands
+    /// `file offset % spec.align` bytes in, as in every other slot.
+    pub(crate) fn take_at(&self, offset: usize, len: usize, spec: SlotSpec, exact: bool) -> Option<Slot> {
+        if self.map.unmapped_here() {
+            return None;
+        }
+        let Carve::Packed { extents, .. } = &self.map.carve else {
+            return None;
+        };
+        let (offset, len) = lock(extents).take_at(offset, len)?;
         Some(Slot {
             map: Arc::clone(&self.map),
-            index,
+            offset,
+            len,
+            spec,
+            exact,
         })
     }
 
@@ -503,29 +501,37 @@ impl Arena {
         drop(slot)
     }
 
-    /// Base address and length of the whole mapping (for buffer registration).
+    /// Base address and length of the whole mapping.
     pub fn region(&self) -> (*mut u8, usize) {
         (self.map.region.ptr.as_ptr(), self.map.region.len)
     }
 
-    /// The memory of `n` consecutive slots from slot `first` (for buffer
-    /// registration). Panics unless they are slots of this arena.
-    pub(crate) fn slots_range(&self, first: usize, n: usize) -> SlotRange {
-        assert!(
-            first.checked_add(n).is_some_and(|end| end <= self.map.count),
-            "slots [{first}, +{n}) of an arena of {}",
-            self.map.count
-        );
-        let len = n * self.map.slot_len;
-        // SAFETY: `first < count` (checked), so the offset is inside the
-        // mapping (at most isize::MAX bytes, checked in `map`).
-        let base = unsafe { self.map.region.ptr.add(first * self.map.slot_len) };
-        SlotRange { base, len }
+    /// The pieces this arena is registered in (at most [`PIECE`] bytes each;
+    /// a fixed arena's pieces hold whole slots), in order: piece k is fixed
+    /// buffer `first + k`. `None` when a slot is larger than a piece.
+    pub(crate) fn pieces(&self) -> Option<Vec<SlotRange>> {
+        let total = self.map.region.len;
+        let step = match &self.map.carve {
+            Carve::Fixed { slot_len, .. } if *slot_len > PIECE => return None,
+            Carve::Fixed { slot_len, .. } => (PIECE / slot_len) * slot_len,
+            Carve::Packed { .. } => PIECE,
+        };
+        Some(
+            (0..total)
+                .step_by(step)
+                .map(|off| SlotRange {
+                    // SAFETY: `off < total`, the mapping's length (at most
+                    // isize::MAX bytes): the offset stays inside it.
+                    base: unsafe { self.map.region.ptr.add(off) },
+                    len: step.min(total - off),
+                })
+                .collect(),
+        )
     }
 
     /// Whether `fork()` leaves this arena out of a child
-    /// (`madvise(MADV_DONTFORK)` succeeded). False only when the kernel
-    /// refused the advice (warned once), and always under Miri.
+    /// (`madvise(MADV_DONTFORK)` succeeded). False when the kernel refused
+    /// the advice (warned once), for caller memory, and under Miri.
     pub fn fork_protected(&self) -> bool {
         self.map.region.dontfork
     }
@@ -562,19 +568,22 @@ impl Arena {
         Some(total)
     }
 
-    /// Bytes of one slot.
+    /// Bytes of one slot of a fixed arena (0 for a packed one).
     pub fn slot_len(&self) -> usize {
-        self.map.slot_len
+        match &self.map.carve {
+            Carve::Fixed { slot_len, .. } => *slot_len,
+            Carve::Packed { .. } => 0,
+        }
     }
 
     /// Runs `f` once, when the last handle and slot of this arena are gone.
     pub(crate) fn on_release(&self, f: impl FnOnce() + Send + 'static) {
-        self.map
-            .on_release
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(Box::new(f));
+        lock(&self.map.on_release).push(Box::new(f));
     }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// The memory of one slot as a read sees it: a non-null base and a length.
@@ -641,45 +650,67 @@ impl SlotRange {
     }
 }
 
-/// One slot of an arena: exclusive access to `slot_len` bytes.
+/// One slot of an arena: exclusive access to its bytes until it is dropped
+/// (or handed back), when they return to the arena.
 pub struct Slot {
     map: Arc<Mapping>,
-    index: usize,
+    /// Where the slot starts in the mapping, and its bytes.
+    offset: usize,
+    len: usize,
+    spec: SlotSpec,
+    /// The payload lands at the slot's first byte (no scratch before it).
+    exact: bool,
 }
 
 impl std::fmt::Debug for Slot {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Slot")
-            .field("index", &self.index)
+            .field("offset", &self.offset)
+            .field("len", &self.len)
             .field("base", &self.base())
             .finish()
     }
 }
 
 impl Slot {
-    /// Position of this slot in its arena.
+    /// Position of this slot in its arena: its index in a fixed arena, its
+    /// page number in a packed one.
     pub fn index(&self) -> usize {
-        self.index
+        match &self.map.carve {
+            Carve::Fixed { slot_len, .. } => self.offset / slot_len,
+            Carve::Packed { .. } => self.offset / page_size(),
+        }
     }
 
-    /// The shape of the slot (its arena's spec).
+    /// Byte offset of the slot's base in its arena.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// The shape of the slot.
     pub fn spec(&self) -> SlotSpec {
-        self.map.spec
+        self.spec
     }
 
     /// Payload capacity.
     pub fn capacity(&self) -> usize {
-        self.map.spec.capacity
+        self.spec.capacity
     }
 
     /// Bytes in the slot (scratch + payload + tail room, page-rounded).
     pub fn len(&self) -> usize {
-        self.map.slot_len
+        self.len
     }
 
     /// Whether the slot has no bytes (never, for a slot of an arena).
     pub fn is_empty(&self) -> bool {
-        self.map.slot_len == 0
+        self.len == 0
+    }
+
+    /// Whether the payload lands at the slot's first byte (a slot placed by
+    /// `Engine::read_into` where no scratch fits before the payload).
+    pub(crate) fn exact(&self) -> bool {
+        self.exact
     }
 
     /// Address of the slot base (where the aligned window starts).
@@ -688,25 +719,25 @@ impl Slot {
     }
 
     pub(crate) fn base_mut_ptr(&self) -> *mut u8 {
-        // SAFETY: index < count, so `index * slot_len` is at most
-        // `(count - 1) * slot_len`, checked in `map` to fit the mapping
-        // (itself at most isize::MAX bytes): the offset stays inside it.
-        unsafe { self.map.region.ptr.as_ptr().add(self.index * self.map.slot_len) }
+        // SAFETY: `offset + len <= region.len` (the carving hands out only
+        // ranges inside the mapping, itself at most isize::MAX bytes), so
+        // the offset stays inside it.
+        unsafe { self.map.region.ptr.as_ptr().add(self.offset) }
     }
 
     /// The whole slot, scratch included.
     pub fn as_bytes(&self) -> &[u8] {
         self.assert_mapped();
-        // SAFETY: this slot index is held only by `self` (see `Mapping`), the
+        // SAFETY: this byte range is held only by `self` (see `Mapping`), the
         // range is inside the live mapping, and `&self` excludes writers.
-        unsafe { std::slice::from_raw_parts(self.base(), self.map.slot_len) }
+        unsafe { std::slice::from_raw_parts(self.base(), self.len) }
     }
 
     /// The whole slot, scratch included, writable.
     pub fn as_bytes_mut(&mut self) -> &mut [u8] {
         self.assert_mapped();
         // SAFETY: as `as_bytes`, and `&mut self` makes the access exclusive.
-        unsafe { std::slice::from_raw_parts_mut(self.base_mut_ptr(), self.map.slot_len) }
+        unsafe { std::slice::from_raw_parts_mut(self.base_mut_ptr(), self.len) }
     }
 
     /// A clear panic instead of a segmentation fault: a slot of a parent's
@@ -723,8 +754,21 @@ impl Slot {
     pub(crate) fn range(&self) -> SlotRange {
         SlotRange {
             base: NonNull::new(self.base_mut_ptr()).expect("a slot of a mapping is never null"),
-            len: self.map.slot_len,
+            len: self.len,
         }
+    }
+
+    /// The registered piece this slot lies in (its fixed buffer is the
+    /// arena's first plus this), or `None` when it spans two (a slot placed
+    /// by the caller across a piece boundary).
+    pub(crate) fn piece(&self) -> Option<usize> {
+        let step = match &self.map.carve {
+            Carve::Fixed { slot_len, .. } if *slot_len > PIECE => return None,
+            Carve::Fixed { slot_len, .. } => (PIECE / slot_len) * slot_len,
+            Carve::Packed { .. } => PIECE,
+        };
+        let last = self.offset + self.len.max(1) - 1;
+        (self.offset / step == last / step).then_some(self.offset / step)
     }
 
     /// Identity of the arena this slot belongs to (unique in the process).
@@ -740,8 +784,11 @@ impl Slot {
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        if let Ok(mut free) = self.map.free.lock() {
-            free.push(self.index);
+        match &self.map.carve {
+            Carve::Fixed { slot_len, free, .. } => lock(free).push(self.offset / slot_len),
+            Carve::Packed { extents, .. } => {
+                lock(extents).give_back(self.offset);
+            }
         }
     }
 }
@@ -966,7 +1013,7 @@ mod tests {
                 "arena [{base:p}, +{len}) lacks VM_DONTCOPY: VmFlags: {flags}"
             );
         }
-        assert_eq!(dontfork_failures(), 0);
+        assert_eq!(crate::memory::region::dontfork_failures(), 0);
     }
 
     /// The VmFlags of the /proc/self/smaps entry that holds `[base, base + len)`.

@@ -3,6 +3,9 @@
 //! base), `MADV_DONTFORK`, optionally bound to a NUMA node.
 
 pub(crate) mod arena;
+pub(crate) mod carve;
+pub(crate) mod region;
 
 pub(crate) use arena::SlotRange;
-pub use arena::{dontfork_failures, hugepage_refusals, Arena, Slot, SlotSpec};
+pub use arena::{Arena, Slot, SlotSpec};
+pub use region::{dontfork_failures, hugepage_refusals};

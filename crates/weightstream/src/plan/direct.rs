@@ -20,6 +20,19 @@ use crate::storage::files::{Drive, ShardFile};
 /// of either reaches the kernel unless every byte it may write lies inside
 /// the slot: see [`plan_in`].
 pub(crate) fn plan(path: &Path, file_size: u64, tensor: &TensorRef, slot: &Slot) -> Result<Window> {
+    if slot.exact() {
+        // The payload at the slot's first byte: the extent is the payload
+        // itself (the in-place window's extent does not apply).
+        let w = plan_in(path, file_size, tensor, slot.spec(), usize::MAX)?.placed();
+        if w.len > slot.len() {
+            return Err(Error::SlotTooSmall {
+                tensor: tensor.name.clone(),
+                need: w.len,
+                capacity: slot.len(),
+            });
+        }
+        return Ok(w);
+    }
     plan_in(path, file_size, tensor, slot.spec(), slot.len())
 }
 
@@ -142,6 +155,16 @@ impl DirectPlan {
         };
         if mode == DirectMode::Off || w.len == 0 {
             p.window = if w.len == 0 { w } else { w.buffered() };
+            return p;
+        }
+        if slot.exact() {
+            count_on_primary(
+                FallbackCause::Placed,
+                &format!(
+                    "payload of {} bytes placed by the caller with no room for an O_DIRECT window",
+                    w.len
+                ),
+            );
             return p;
         }
         if w.direct == 0 {

@@ -124,6 +124,19 @@ impl Window {
         })
     }
 
+    /// The same payload placed at the slot's first byte (no scratch before
+    /// it), read wholly buffered: a caller-placed slot with no room for an
+    /// O_DIRECT window.
+    pub fn placed(self) -> Self {
+        Window {
+            start: self.start + self.pad as u64,
+            pad: 0,
+            direct: 0,
+            tail: self.len,
+            ..self
+        }
+    }
+
     /// The same payload read wholly buffered (no O_DIRECT part): the fallback.
     pub fn buffered(self) -> Self {
         Window {

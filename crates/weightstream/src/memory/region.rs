@@ -1,0 +1,221 @@
+//! The memory of an arena: an anonymous private mapping this crate owns
+//! (`MADV_DONTFORK`, on transparent huge pages when large enough; under
+//! Miri a page-aligned heap allocation), or memory a caller owns and lent
+//! to an engine (`Engine::register_memory`), which is never unmapped here.
+
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use crate::error::{Error, Result};
+use crate::memory::arena::page_size;
+
+/// The memory of one arena: an anonymous private mapping, `MADV_DONTFORK`
+/// (under Miri: a page-aligned, zeroed heap allocation). Released on drop.
+pub(crate) struct Region {
+    pub(crate) ptr: NonNull<u8>,
+    pub(crate) len: usize,
+    /// `madvise(MADV_DONTFORK)` succeeded: a forked child does not get these
+    /// pages. Always false under Miri (no mapping, no fork).
+    pub(crate) dontfork: bool,
+    /// `madvise(MADV_HUGEPAGE)` succeeded on a 2 MiB-aligned region: the
+    /// kernel backs it with transparent huge pages where it can.
+    pub(crate) huge: bool,
+    /// The caller's memory (`Engine::register_memory`): never unmapped or
+    /// advised here.
+    pub(crate) borrowed: bool,
+    /// What the memory was allocated with (Miri only).
+    #[cfg(miri)]
+    layout: std::alloc::Layout,
+}
+
+/// A transparent huge page (x86-64, arm64 with 4 KiB base pages).
+#[cfg(not(miri))]
+const HUGE_PAGE: usize = 2 << 20;
+
+static HUGEPAGE_REFUSALS: AtomicU64 = AtomicU64::new(0);
+static HUGEPAGE_WARNED: AtomicBool = AtomicBool::new(false);
+
+/// Arena mappings of at least 2 MiB whose `madvise(MADV_HUGEPAGE)` the
+/// kernel refused (they use 4 KiB pages; warned once). A kernel with
+/// transparent huge pages `never` accepts the advice and ignores it: see
+/// [`Arena::huge_page_bytes`] for what an arena really got.
+pub fn hugepage_refusals() -> u64 {
+    HUGEPAGE_REFUSALS.load(Ordering::Relaxed)
+}
+
+/// Mappings whose `madvise(MADV_DONTFORK)` failed, in this process.
+static DONTFORK_FAILURES: AtomicU64 = AtomicU64::new(0);
+static DONTFORK_WARNED: AtomicBool = AtomicBool::new(false);
+
+/// How many arena mappings of this process `fork()` would copy into a child
+/// because `madvise(MADV_DONTFORK)` failed on them (warned once, at the
+/// first). 0 when every arena is fork-protected.
+pub fn dontfork_failures() -> u64 {
+    DONTFORK_FAILURES.load(Ordering::Relaxed)
+}
+
+impl Region {
+    /// `len` bytes (> 0, <= `isize::MAX`), readable and writable, starting
+    /// on a page boundary (on a 2 MiB boundary, advised for transparent huge
+    /// pages, when `len` is at least 2 MiB). `populate` faults every page in
+    /// now.
+    ///
+    /// Huge pages matter for I/O: a read into physically contiguous memory
+    /// is one segment per 2 MiB instead of one per 4 KiB page, and a device
+    /// caps the segments of a request (virtio-blk: 254, so a 1 MiB read into
+    /// 4 KiB pages is split in two); registering them pins fewer pages.
+    #[cfg(not(miri))]
+    pub(crate) fn new(len: usize, populate: bool) -> Result<Region> {
+        use rustix::mm::{Advice, MapFlags, ProtFlags};
+        let huge = len >= HUGE_PAGE;
+        // Room to align the start to a huge page, trimmed off below.
+        let map_len = if huge { len.checked_add(HUGE_PAGE) } else { Some(len) }
+            .filter(|&l| l <= isize::MAX as usize)
+            .ok_or_else(|| Error::Config(format!("an arena of {len} bytes exceeds isize::MAX")))?;
+        // SAFETY: a fresh anonymous private mapping at an address of the
+        // kernel's choosing aliases no existing memory.
+        let raw = unsafe {
+            rustix::mm::mmap_anonymous(
+                std::ptr::null_mut(),
+                map_len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::PRIVATE,
+            )
+        }
+        .map_err(|e| Error::io("<anonymous arena>", "mmap", e))?;
+        let base = raw as usize;
+        let start = if huge { base.next_multiple_of(HUGE_PAGE) } else { base };
+        if huge {
+            let (head, tail) = (start - base, map_len - len - (start - base));
+            // SAFETY: both ranges are the unused ends of the mapping just
+            // made (before `start`, after `start + len`); nothing refers to
+            // them. Unmapping them leaves exactly `start..start + len`.
+            unsafe {
+                if head > 0 {
+                    let _ = rustix::mm::munmap(raw, head);
+                }
+                if tail > 0 {
+                    let _ = rustix::mm::munmap((start + len) as *mut std::ffi::c_void, tail);
+                }
+            }
+        }
+        let Some(ptr) = NonNull::new(start as *mut u8) else {
+            return Err(Error::Config(format!("mmap of {len} bytes returned a null address")));
+        };
+        let mut region = Region {
+            ptr,
+            len,
+            dontfork: false,
+            huge: false,
+            borrowed: false,
+        };
+        // SAFETY: `ptr..ptr+len` is exactly the mapping owned by `region`;
+        // MADV_DONTFORK changes only whether fork() copies it, never its
+        // contents or its address.
+        match unsafe { rustix::mm::madvise(ptr.as_ptr().cast(), len, Advice::LinuxDontFork) } {
+            Ok(()) => region.dontfork = true,
+            Err(e) => {
+                DONTFORK_FAILURES.fetch_add(1, Ordering::Relaxed);
+                if !DONTFORK_WARNED.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(
+                        "madvise(MADV_DONTFORK) on an arena of {len} bytes failed: {e}; fork() will copy this arena \
+                         into the child (said once; counted in weightstream::arena::dontfork_failures)"
+                    );
+                }
+            }
+        }
+        if huge {
+            // SAFETY: as above; MADV_HUGEPAGE changes only how the kernel
+            // backs the (still untouched) pages.
+            match unsafe { rustix::mm::madvise(ptr.as_ptr().cast(), len, Advice::LinuxHugepage) } {
+                Ok(()) => region.huge = true,
+                Err(e) => {
+                    HUGEPAGE_REFUSALS.fetch_add(1, Ordering::Relaxed);
+                    if !HUGEPAGE_WARNED.swap(true, Ordering::Relaxed) {
+                        tracing::warn!(
+                            "madvise(MADV_HUGEPAGE) on an arena of {len} bytes failed: {e}; it uses 4 KiB pages \
+                             (more segments per read; said once; counted in weightstream::arena::hugepage_refusals)"
+                        );
+                    }
+                }
+            }
+        }
+        if populate {
+            region.touch();
+        }
+        Ok(region)
+    }
+
+    /// Faults every page in (after any advice or NUMA policy is set, so
+    /// each page is allocated under it).
+    pub(crate) fn touch(&self) {
+        for off in (0..self.len).step_by(page_size()) {
+            // SAFETY: `off < len`, inside the mapping; no slot exists yet, so
+            // this write aliases nothing. Volatile so the first touch happens.
+            unsafe { std::ptr::write_volatile(self.ptr.as_ptr().add(off), 0) };
+        }
+    }
+
+    /// Miri cannot model mmap or madvise: the same geometry from the global
+    /// allocator, page-aligned and zeroed like a fresh anonymous mapping.
+    #[cfg(miri)]
+    fn new(len: usize, _populate: bool) -> Result<Region> {
+        let layout = std::alloc::Layout::from_size_align(len, page_size())
+            .map_err(|e| Error::Config(format!("an arena of {len} bytes: {e}")))?;
+        // SAFETY: the layout's size is non-zero (`len` > 0, checked by `map`).
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        let Some(ptr) = NonNull::new(ptr) else {
+            return Err(Error::Config(format!("allocating an arena of {len} bytes failed")));
+        };
+        Ok(Region {
+            ptr,
+            len,
+            dontfork: false,
+            huge: false,
+            borrowed: false,
+            layout,
+        })
+    }
+}
+
+impl Region {
+    /// Memory the caller owns, `len` bytes at `ptr`: used in place, never
+    /// advised, unmapped or freed here.
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` must stay valid for reads and writes for as long as
+    /// the region lives (see `Engine::register_memory`).
+    pub(crate) unsafe fn borrowed(ptr: NonNull<u8>, len: usize) -> Region {
+        Region {
+            ptr,
+            len,
+            dontfork: false,
+            huge: false,
+            borrowed: true,
+            #[cfg(miri)]
+            layout: std::alloc::Layout::new::<u8>(),
+        }
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        if self.borrowed {
+            return;
+        }
+        #[cfg(not(miri))]
+        {
+            // SAFETY: `ptr`/`len` are exactly the mapping made by
+            // `Region::new`, and no `Slot` exists any more (each holds an
+            // `Arc<Mapping>`, which owns this region), so nothing can reach
+            // the memory after this.
+            let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast(), self.len) };
+        }
+        #[cfg(miri)]
+        {
+            // SAFETY: allocated by `Region::new` with this same layout; no
+            // `Slot` exists any more (as above).
+            unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) };
+        }
+    }
+}
