@@ -14,7 +14,6 @@
 //!   completion.
 //! - `inflight/request_per_chunk`: `Request::new` + 20 `chunk_done` + `wait`;
 //!   ns per read, `thrpt:` in chunks/s (ns per chunk = `time:` / 20).
-//! - `inflight/credits_pair`: one `try_acquire` + `release(1)`, uncontended;
 //!   ns per chunk.
 //!
 //! - `route/*`: the routing decision for one chunk over two copies, and the
@@ -27,7 +26,7 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use weightstream::__internal::Window;
-use weightstream::__internal::{chunk_count, chunk_on_result, chunk_split, Chunk, Credits, DriveLoad, Request};
+use weightstream::__internal::{chunk_count, chunk_on_result, chunk_split, Chunk, DriveLoad, Request};
 use weightstream::__internal::{cuts, hash_pick, stripe_pick};
 
 /// A typical MoE expert's payload: 19918080 bytes (just under 19 MiB).
@@ -158,15 +157,6 @@ fn inflight(c: &mut Criterion) {
 
     // Per chunk: the submitter takes a credit, the reaper returns it.
     // Uncontended, one thread, nobody waiting on the condvar.
-    let credits = Credits::new(64);
-    g.throughput(Throughput::Elements(1));
-    g.bench_function("credits_pair", |b| {
-        b.iter(|| {
-            let got = credits.try_acquire();
-            credits.release(black_box(1));
-            got
-        })
-    });
 
     g.finish();
 }

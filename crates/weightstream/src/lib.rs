@@ -93,7 +93,7 @@ pub use storage::topology::{AlignSource, FileTopology};
 #[doc(hidden)]
 pub mod __internal {
     pub use crate::config::split_list;
-    pub use crate::engine::internal::{cuts, hash_pick, stripe_pick, Credits, DriveLoad, Outcome, Request};
+    pub use crate::engine::internal::{cuts, hash_pick, stripe_pick, DriveLoad, Outcome, Request};
     pub use crate::memory::arena::round_up;
     pub use crate::plan::chunk::{count as chunk_count, on_result as chunk_on_result, split as chunk_split, Chunk};
     pub use crate::plan::window::{Window, WindowError};

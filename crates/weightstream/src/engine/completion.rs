@@ -5,7 +5,7 @@
 
 use std::sync::atomic::Ordering;
 
-use crate::engine::queue::{Control, DriveQueue, Io, Job};
+use crate::engine::queue::{Control, Io, Job};
 use crate::error::{escape, Error};
 use crate::plan::chunk::{on_result, payload_bytes, Chunk, Next};
 use crate::stats::DriveCounters;
@@ -91,7 +91,7 @@ pub(crate) fn complete(mut job: Job, res: i32, io: &Io, lane: usize) -> Option<J
         Next::Done => {
             count(&job.chunk);
             DriveCounters::add(&c.chunks, 1);
-            return finish(job, &io.queues[lane], None);
+            return finish(job, None);
         }
         Next::Again(next) => {
             if next == job.chunk {
@@ -186,20 +186,17 @@ pub(crate) fn fail_over(mut job: Job, why: String, io: &Io, lane: usize) -> Opti
             io.loads[to.drive].add(job.chunk.len as u64);
             return Some(job);
         }
-        // Another drive: the job takes its credit with it.
+        // Another drive: queued on one of its lanes.
         let target = &io.queues[io.pick_lane(to.drive)];
         let len = job.chunk.len as u64;
-        target.credits.force_acquire();
         io.loads[to.drive].add(len);
         match target.push(job) {
             Ok(()) => {
                 target.notify();
-                io.queues[lane].credits.release(1);
                 return None;
             }
             Err(back) => {
                 // Closed between the check and the push.
-                target.credits.release(1);
                 io.loads[to.drive].done(len, false);
                 job = back;
                 job.tried |= 1 << to.rank.min(31);
@@ -230,7 +227,7 @@ pub(crate) fn fail_over(mut job: Job, why: String, io: &Io, lane: usize) -> Opti
         copies: copies.len(),
         causes,
     };
-    finish(job, &io.queues[lane], Some(err))
+    finish(job, Some(err))
 }
 /// Whether `job`'s chunk may go O_DIRECT on copy `f`: it has an O_DIRECT
 /// descriptor and the chunk's offset, length and memory meet its alignment.
@@ -242,8 +239,7 @@ pub(crate) fn can_direct(f: &ShardFile, job: &Job) -> bool {
         && (job.target.addr() + job.chunk.slot_off).is_multiple_of(ma)
 }
 
-fn finish(job: Job, q: &DriveQueue, err: Option<Error>) -> Option<Job> {
-    q.credits.release(1);
+fn finish(job: Job, err: Option<Error>) -> Option<Job> {
     job.done(err);
     None
 }

@@ -1,7 +1,6 @@
 //! In-flight bookkeeping shared by every backend: one [`Request`] per tensor
 //! read, counting its outstanding chunks, holding the slot the kernel writes
-//! into, and waking whoever waits; and [`Credits`], the per-drive bound on
-//! chunks in flight.
+//! into, and waking whoever waits.
 //!
 //! Ownership is the safety argument. A request owns its slot; the submitter
 //! of each chunk (a ring thread or a pread worker) holds an `Arc` of the
@@ -18,7 +17,7 @@
 
 use std::task::{Poll, Waker};
 
-use crate::engine::sync::{lock, Arc, AtomicBool, AtomicUsize, Condvar, Mutex, Ordering};
+use crate::engine::sync::{lock, Arc, AtomicUsize, Condvar, Mutex, Ordering};
 use crate::error::Error;
 
 struct State<S> {
@@ -221,90 +220,6 @@ fn wake_guarded(w: Waker) {
 /// Wakers that panicked on an I/O thread (caught), process-wide.
 pub(crate) static WAKER_PANICS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-/// A per-drive bound on chunks in flight (the queue depth). Producers block
-/// while none is free; the reaper returns them. Closing wakes every producer.
-pub struct Credits {
-    /// (credits free, producers asleep): notify only when someone sleeps, so
-    /// returning a credit costs no system call on the common path.
-    avail: Mutex<(isize, usize)>,
-    cv: Condvar,
-    closed: AtomicBool,
-}
-
-impl Credits {
-    /// `n` credits, all free.
-    pub fn new(n: usize) -> Self {
-        Credits {
-            avail: Mutex::new((n as isize, 0)),
-            cv: Condvar::new(),
-            closed: AtomicBool::new(false),
-        }
-    }
-
-    /// Takes one credit if one is free.
-    pub fn try_acquire(&self) -> bool {
-        let mut a = lock(&self.avail);
-        if a.0 > 0 {
-            a.0 -= 1;
-            true
-        } else {
-            false
-        }
-    }
-
-    /// Takes one credit, sleeping until one is returned. False when closed.
-    pub fn acquire(&self) -> bool {
-        let mut a = lock(&self.avail);
-        loop {
-            if self.closed.load(Ordering::Acquire) {
-                return false;
-            }
-            if a.0 > 0 {
-                a.0 -= 1;
-                return true;
-            }
-            a.1 += 1;
-            a = match self.cv.wait(a) {
-                Ok(g) => g,
-                Err(p) => p.into_inner(),
-            };
-            a.1 -= 1;
-        }
-    }
-
-    /// Takes a credit even when none is free (a chunk moved here by
-    /// failover brings its own): producers wait until the count recovers.
-    pub(crate) fn force_acquire(&self) {
-        let mut a = lock(&self.avail);
-        a.0 -= 1;
-    }
-
-    /// Returns `n` credits and wakes producers.
-    pub fn release(&self, n: usize) {
-        let sleepers = {
-            let mut a = lock(&self.avail);
-            a.0 += n as isize;
-            a.1
-        };
-        if sleepers > 0 {
-            self.cv.notify_all();
-        }
-    }
-
-    /// Refuses every later acquire and wakes every sleeping producer.
-    pub(crate) fn close(&self) {
-        let _g = lock(&self.avail);
-        self.closed.store(true, Ordering::Release);
-        drop(_g);
-        self.cv.notify_all();
-    }
-
-    #[cfg(all(test, not(loom)))]
-    pub(crate) fn available(&self) -> usize {
-        lock(&self.avail).0.max(0) as usize
-    }
-}
-
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
@@ -393,17 +308,6 @@ mod tests {
         assert!(r.is_done());
     }
 
-    #[test]
-    fn credits_count_and_close() {
-        let c = Credits::new(2);
-        assert!(c.try_acquire());
-        assert!(c.acquire());
-        assert!(!c.try_acquire());
-        c.release(1);
-        assert_eq!(c.available(), 1);
-        c.close();
-        assert!(!c.acquire());
-    }
 }
 
 /// Model checks of the bookkeeping with a mock kernel: run with
@@ -553,67 +457,6 @@ mod loom_models {
                 0,
                 "an abandoned slot was freed"
             );
-        });
-    }
-
-    /// A producer blocked on credits is woken by the reaper returning one.
-    #[test]
-    fn producer_blocked_on_credits_is_woken() {
-        loom::model(|| {
-            let credits = Arc::new(Credits::new(1));
-            let in_flight = Arc::new(AtomicUsize::new(0));
-            let (tx, rx) = loom::sync::mpsc::channel::<()>();
-            let reaper = {
-                let credits = credits.clone();
-                let in_flight = in_flight.clone();
-                thread::spawn(move || {
-                    for _ in 0..2 {
-                        rx.recv().unwrap();
-                        in_flight.fetch_sub(1, Ordering::Relaxed);
-                        credits.release(1);
-                    }
-                })
-            };
-            for _ in 0..2 {
-                assert!(credits.acquire());
-                assert_eq!(
-                    in_flight.fetch_add(1, Ordering::Relaxed),
-                    0,
-                    "more in flight than credits"
-                );
-                tx.send(()).unwrap();
-            }
-            reaper.join().unwrap();
-        });
-    }
-
-    /// Shutdown: closing the credits wakes a blocked producer, and a drain
-    /// that waits for every pending chunk sees the slot freed once.
-    #[test]
-    fn shutdown_drains_before_freeing() {
-        loom::model(|| {
-            let credits = Arc::new(Credits::new(0));
-            let producer = {
-                let credits = credits.clone();
-                thread::spawn(move || credits.acquire())
-            };
-            let (slot, freed, busy) = mock(1);
-            let req = Request::new(slot, 1);
-            let ring = {
-                let req = req.clone();
-                let busy = busy.clone();
-                thread::spawn(move || {
-                    busy.fetch_sub(1, Ordering::Release);
-                    req.chunk_done();
-                })
-            };
-            credits.close();
-            assert!(!producer.join().unwrap(), "a closed drive grants no credit");
-            // The engine's drop: wait for the ring to drain, then free.
-            ring.join().unwrap();
-            assert!(req.is_done());
-            drop(req);
-            assert_eq!(freed.load(Ordering::Relaxed), 1);
         });
     }
 }

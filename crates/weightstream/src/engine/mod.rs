@@ -41,7 +41,7 @@ pub use ticket::{Loaded, Ticket};
 /// Engine internals for `crate::__internal` (microbenchmarks and tests of
 /// the pure cores; not a stable API).
 pub(crate) mod internal {
-    pub use super::inflight::{Credits, Outcome, Request};
+    pub use super::inflight::{Outcome, Request};
     pub use super::load::DriveLoad;
     pub use super::router::{cuts, hash_pick, stripe_pick};
 }

@@ -9,7 +9,7 @@ use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::{Condvar, Mutex};
 
-use crate::engine::inflight::{Credits, Request};
+use crate::engine::inflight::Request;
 use crate::engine::load::DriveLoad;
 use crate::engine::sync::{lock_std as lock, Arc as ReqArc};
 use crate::error::Error;
@@ -195,17 +195,10 @@ impl Io {
         }
     }
 
-    /// Closes lane `lane` for good (its thread is gone or going) and, when
-    /// it was the drive's last open lane, the drive's credits (producers
-    /// waiting for one are woken and refused). Returns what was queued on
-    /// the lane, for the caller to fail over or fail.
+    /// Closes lane `lane` for good (its thread is gone or going). Returns
+    /// what was queued on the lane, for the caller to fail over or fail.
     pub(crate) fn close_lane(&self, lane: usize, why: &str) -> (Vec<Job>, Vec<Control>) {
-        let q = &self.queues[lane];
-        let queued = q.close(why);
-        if !self.drive_open(q.drive) {
-            q.credits.close();
-        }
-        queued
+        self.queues[lane].close(why)
     }
 }
 
@@ -244,8 +237,10 @@ pub(crate) struct DriveQueue {
     /// The ring's wake-up (it keeps a read armed on it, or blocks reading
     /// it when the ring polls).
     pub eventfd: Option<OwnedFd>,
-    /// The drive's credits, shared by its lanes.
-    pub credits: std::sync::Arc<Credits>,
+    /// Chunks this lane's I/O thread keeps in flight at most: the drive's
+    /// queue depth shared by its lanes. Producers never wait for it: the
+    /// thread takes queued chunks as room frees.
+    pub depth: usize,
     /// Chunks a pread worker is reading right now.
     pub active: std::sync::atomic::AtomicUsize,
     /// Mirrors `jobs.closed.is_some()` for lock-free checks when routing.
@@ -263,7 +258,7 @@ pub(crate) struct DriveQueue {
 }
 
 impl DriveQueue {
-    pub(crate) fn new(drive: usize, credits: std::sync::Arc<Credits>, eventfd: Option<OwnedFd>) -> Self {
+    pub(crate) fn new(drive: usize, depth: usize, eventfd: Option<OwnedFd>) -> Self {
         DriveQueue {
             drive,
             jobs: Mutex::new(Jobs {
@@ -274,7 +269,7 @@ impl DriveQueue {
             }),
             ready: Condvar::new(),
             eventfd,
-            credits,
+            depth,
             active: std::sync::atomic::AtomicUsize::new(0),
             closed: AtomicBool::new(false),
             enter_fault: AtomicI32::new(0),
@@ -321,11 +316,10 @@ impl DriveQueue {
         Ok(())
     }
 
-    /// Stops the drive: no more credits, the thread(s) drain what is in
-    /// flight and exit.
+    /// Stops the drive: the thread(s) finish what is queued and in flight,
+    /// then exit.
     pub(crate) fn shutdown(&self) {
         lock(&self.jobs).shutdown = true;
-        self.credits.close();
         self.notify();
     }
 

@@ -219,7 +219,7 @@ fn drive_polls(model: &Model, i: usize) -> bool {
 }
 
 /// The lanes (`lanes[d]` per drive, with an eventfd each for rings) and the
-/// load trackers of every drive. A drive's lanes share its credits.
+/// load trackers of every drive. A drive's lanes share its queue depth.
 fn make_io(
     model: &Model,
     depth: usize,
@@ -231,7 +231,8 @@ fn make_io(
     let mut queues = Vec::new();
     let mut ranges = Vec::with_capacity(n);
     for (d, &k) in lanes.iter().enumerate() {
-        let credits = Arc::new(crate::engine::inflight::Credits::new(depth));
+        // The drive's depth, shared by its lanes (each at least 1).
+        let share = depth.div_ceil(k.max(1)).max(1);
         let start = queues.len();
         for _ in 0..k.max(1) {
             let efd = if eventfd {
@@ -239,7 +240,7 @@ fn make_io(
             } else {
                 None
             };
-            queues.push(Arc::new(DriveQueue::new(d, Arc::clone(&credits), efd)));
+            queues.push(Arc::new(DriveQueue::new(d, share, efd)));
         }
         ranges.push(start..queues.len());
     }

@@ -1,8 +1,9 @@
 //! The submit path of one read, step by step: plan the window and decide
 //! direct or buffered (`plan`), route each chunk to a copy (the router),
-//! then queue it on a lane of that copy's drive with a credit, waking each
-//! drive once. Blocks only while a drive already has `queue_depth` chunks
-//! in flight.
+//! then queue it on a lane of that copy's drive, waking each lane once.
+//! Never blocks: each lane's I/O thread keeps at most its share of the
+//! drive's `queue_depth` chunks in flight and takes the rest as room frees,
+//! and the caller's slots bound how much can be queued.
 
 use crate::config::MAX_COPY_RANKS;
 use crate::engine::completion;
@@ -141,9 +142,9 @@ impl Engine {
         }
     }
 
-    /// Queues `job` on a lane of drive `d` with a credit: when the drive is
-    /// full, wakes every drive this read touched and waits for a credit; a
-    /// drive that stopped diverts the chunk to another copy (or fails it).
+    /// Queues `job` on a lane of drive `d` (never waiting: the lane's I/O
+    /// thread takes queued chunks as its depth allows); a drive that stopped
+    /// diverts the chunk to another copy (or fails it).
     fn enqueue(&self, job: Job, d: usize, fanout: &mut Fanout) {
         let ch: Chunk = job.chunk;
         let t = fanout.of(d);
@@ -157,17 +158,6 @@ impl Engine {
         }
         let lane = self.io.pick_lane(d);
         let q = &self.io.queues[lane];
-        if !q.credits.try_acquire() {
-            fanout.notify(&self.io);
-            if !q.credits.acquire() {
-                // The drive stopped: this chunk goes to another copy or
-                // fails, naming the drive (its credit is not held).
-                q.credits.force_acquire();
-                self.io.loads[d].add(ch.len as u64);
-                self.divert(job, lane);
-                return;
-            }
-        }
         self.io.loads[d].add(ch.len as u64);
         match q.push(job) {
             Ok(()) => fanout.of(d).queued |= 1 << ((lane - self.io.lanes[d].start) % 64),
@@ -176,8 +166,8 @@ impl Engine {
     }
 
     /// A chunk routed to lane `lane`, which stopped before it could be
-    /// queued (it holds the drive's credit): another lane or copy takes it,
-    /// or the read fails naming the drive.
+    /// queued: another lane or copy takes it, or the read fails naming the
+    /// drive.
     fn divert(&self, job: Job, lane: usize) {
         let d = self.io.queues[lane].drive;
         let why = self.io.queues[lane]

@@ -482,15 +482,21 @@ impl RingThread {
         if self.wake == Wake::Armed {
             self.arm_eventfd();
         }
+        let mut reads = Vec::new();
         loop {
-            let (reads, controls, shutdown) = {
+            // At most the lane's depth in flight: the rest stays queued until
+            // completions make room (producers never wait for it).
+            let budget = self.q.depth.saturating_sub(self.inflight);
+            let (controls, shutdown, left) = {
                 let mut j = lock(&self.q.jobs);
-                (std::mem::take(&mut j.reads), std::mem::take(&mut j.control), j.shutdown)
+                let n = budget.min(j.reads.len());
+                reads.extend(j.reads.drain(..n));
+                (std::mem::take(&mut j.control), j.shutdown, j.reads.len())
             };
             for c in controls {
                 self.control(c);
             }
-            for job in reads {
+            for job in reads.drain(..) {
                 self.submit(job);
             }
             if self.q.panic_fault.load(std::sync::atomic::Ordering::Relaxed)
@@ -499,10 +505,10 @@ impl RingThread {
                 // Test-only (`Engine::inject_fault`): dies with chunks in flight.
                 panic!("injected fault: I/O thread panic on drive {}", self.device());
             }
-            if shutdown && self.inflight == 0 && !self.eventfd_armed && !self.cancel_armed {
+            if shutdown && left == 0 && self.inflight == 0 && !self.eventfd_armed && !self.cancel_armed {
                 return;
             }
-            if self.wake == Wake::Blocking && self.inflight == 0 && !self.cancel_armed && !shutdown {
+            if self.wake == Wake::Blocking && self.inflight == 0 && left == 0 && !self.cancel_armed && !shutdown {
                 self.block_on_eventfd();
                 continue;
             }
@@ -702,7 +708,7 @@ impl RingThread {
                 }
                 return;
             }
-            // The queue is sized above the credits, so this is rare: make room.
+            // The queue is sized above the lane's depth, so this is rare: make room.
             let _ = self.ring.submit();
             let left = self.ring.submission().len();
             while self.unconsumed.len() > left {
