@@ -194,6 +194,16 @@ pub enum Error {
     /// No tensor of that name in the model.
     #[error("no tensor named {0:?} in the model")]
     NoSuchTensor(String),
+    /// A payload cannot be viewed as the type asked for.
+    #[error("tensor {tensor}: cannot view its payload as [{ty}]: {why}")]
+    View {
+        /// The tensor's name.
+        tensor: String,
+        /// The element type asked for.
+        ty: &'static str,
+        /// What does not fit (dtype, length or alignment).
+        why: String,
+    },
     /// A configuration value was refused.
     #[error("{0}")]
     Config(String),

@@ -72,11 +72,12 @@ mod stats;
 mod storage;
 
 pub use config::{env, BackendChoice, DirectMode, EngineConfig, IoPoll, ModelConfig, RoutePolicy, SubmitMode, Weights};
-pub use engine::{DrivePlacement, Engine, Fault, Loaded, ShutdownReport, Ticket};
+pub use engine::{DrivePlacement, Engine, Fault, Loaded, Scratch, ShutdownReport, Ticket};
 pub use error::{escape, Error, HeaderError, Result};
 pub use format::catalog::{Catalog, ShardInfo, TensorRef, INDEX_FILE, MAX_INDEX_LEN};
 pub use format::container::{ShardHeader, TensorEntry, MAX_HEADER_LEN};
 pub use format::dtype::Dtype;
+pub use format::element::Element;
 pub use memory::{dontfork_failures, hugepage_refusals, Arena, Slot, SlotSpec};
 pub use model::{CopyReport, FileVerdict, Model, VerifyReport};
 pub use stats::{DriveStats, FallbackCause, Feature, Stats};

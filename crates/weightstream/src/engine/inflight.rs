@@ -307,7 +307,6 @@ mod tests {
         let r = Request::new((), 0);
         assert!(r.is_done());
     }
-
 }
 
 /// Model checks of the bookkeeping with a mock kernel: run with

@@ -22,6 +22,7 @@ mod backend;
 mod completion;
 mod inflight;
 mod lanes;
+mod lend;
 mod load;
 mod probe;
 mod queue;
@@ -32,6 +33,7 @@ mod submit;
 mod sync;
 mod ticket;
 
+pub use lend::Scratch;
 use queue::{Control, Io};
 use registry::Registry;
 use router::Router;
@@ -207,6 +209,19 @@ impl Engine {
         Ok(arena)
     }
 
+    /// A packed arena of `bytes` (slots of any size taken with
+    /// [`Arena::take_for`] or [`Arena::take_sized`], first fit), registered
+    /// with every ring like [`Engine::arena`]: one arena for a model's
+    /// tensors of every size. `populate` faults the pages in now; without
+    /// it each page is faulted by the first read into it (the read then
+    /// pays for it, overlapped with other reads).
+    pub fn packed_arena(&self, bytes: usize, populate: bool) -> Result<Arena> {
+        self.origin.check()?;
+        let arena = Arena::packed(bytes, self.model.required_align(), populate)?;
+        self.maybe_register(&arena);
+        Ok(arena)
+    }
+
     fn engine_spec(&self, spec: SlotSpec) -> SlotSpec {
         SlotSpec {
             align: spec.align.max(self.model.required_align()),
@@ -217,8 +232,8 @@ impl Engine {
     /// Starts reading `tensor` into `slot`; the slot moves into the ticket
     /// and comes back with the payload (or goes back to its arena on error).
     /// Each chunk goes to a copy chosen by the model's route policy; `hash`
-    /// uses [`Model::group_key`]. Blocks only while a drive already has
-    /// `queue_depth` chunks in flight.
+    /// uses [`Model::group_key`]. Never blocks: the chunks are queued, and
+    /// each drive's I/O threads keep `queue_depth` of them in flight.
     pub fn read(&self, tensor: &TensorRef, slot: Slot) -> Result<Ticket> {
         self.read_keyed(tensor, slot, self.model.group_key(tensor))
     }

@@ -11,7 +11,7 @@ use crate::engine::inflight::Request;
 use crate::engine::queue::{Io, Job, Target};
 use crate::engine::router::Candidate;
 use crate::engine::sync::Arc as ReqArc;
-use crate::engine::ticket::Ticket;
+use crate::engine::ticket::{Meta, Ticket};
 use crate::engine::{Backend, Engine};
 use crate::error::Result;
 use crate::format::catalog::TensorRef;
@@ -100,7 +100,13 @@ impl Engine {
         let primary = model.file_of(tensor)?;
         let w = direct::plan(&primary.path, primary.size, tensor, &slot)?;
         if w.len == 0 {
-            return Ok(Ticket::new(Request::new(slot, 0), w.pad, 0, self.origin));
+            return Ok(Ticket::new(
+                Request::new(slot, 0),
+                w.pad,
+                0,
+                self.origin,
+                Meta::of(model, tensor),
+            ));
         }
         let copies = model.copies(tensor.shard);
         let n = copies.len().min(MAX_COPY_RANKS);
@@ -127,7 +133,7 @@ impl Engine {
             self.enqueue(job, file.drive, &mut fanout);
         }
         fanout.finish(&self.io, model);
-        Ok(Ticket::new(req, pad, len, self.origin))
+        Ok(Ticket::new(req, pad, len, self.origin, Meta::of(model, tensor)))
     }
 
     /// Copy `file` as a routing candidate for a read into `slot`: its drive,

@@ -10,7 +10,39 @@ use crate::engine::inflight::{Outcome, Request};
 use crate::engine::sync::Arc as ReqArc;
 use crate::error::{Error, Result};
 use crate::fork::Origin;
+use crate::format::catalog::TensorRef;
+use crate::format::dtype::Dtype;
+use crate::format::element::Element;
 use crate::memory::Slot;
+use crate::model::Model;
+
+/// What a read is of: the model's tensor (by catalog index, so a read
+/// allocates nothing for it), and for a part of one ([`TensorRef::rows`],
+/// [`TensorRef::byte_range`]) the part's own dtype and shape.
+#[derive(Clone)]
+pub(crate) struct Meta {
+    model: Model,
+    index: usize,
+    part: Option<std::sync::Arc<(Dtype, Vec<usize>)>>,
+}
+
+impl Meta {
+    /// The description of a read of `tensor` (one of `model`'s, checked).
+    pub(crate) fn of(model: &Model, tensor: &TensorRef) -> Self {
+        let own = &model.catalog().tensors()[tensor.index];
+        let part = (own.dtype != tensor.dtype || own.shape != tensor.shape)
+            .then(|| std::sync::Arc::new((tensor.dtype, tensor.shape.clone())));
+        Meta {
+            model: model.clone(),
+            index: tensor.index,
+            part,
+        }
+    }
+
+    fn tensor(&self) -> &TensorRef {
+        &self.model.catalog().tensors()[self.index]
+    }
+}
 
 /// A read in flight. It owns the slot: the payload is reachable only once
 /// every chunk has completed. Dropping it early is safe: the slot returns
@@ -23,6 +55,7 @@ pub struct Ticket {
     pad: usize,
     len: usize,
     origin: Origin,
+    meta: Meta,
 }
 
 impl std::fmt::Debug for Ticket {
@@ -35,18 +68,24 @@ impl std::fmt::Debug for Ticket {
 }
 
 impl Ticket {
-    pub(crate) fn new(req: ReqArc<Request<Slot>>, pad: usize, len: usize, origin: Origin) -> Self {
+    pub(crate) fn new(req: ReqArc<Request<Slot>>, pad: usize, len: usize, origin: Origin, meta: Meta) -> Self {
         Ticket {
             req: std::mem::ManuallyDrop::new(req),
             pad,
             len,
             origin,
+            meta,
         }
+    }
+
+    /// The name of the tensor being read.
+    pub fn name(&self) -> &str {
+        &self.meta.tensor().name
     }
 
     fn resolve(&self, o: Outcome<Slot>) -> Result<Loaded> {
         match o {
-            Outcome::Ready(slot) => Ok(Loaded::new(slot, self.pad, self.len)),
+            Outcome::Ready(slot) => Ok(Loaded::new(slot, self.pad, self.len, self.meta.clone())),
             Outcome::Failed(e) => Err(e),
             Outcome::Spent => Err(Error::Config("ticket polled after it completed".into())),
         }
@@ -107,22 +146,100 @@ impl Drop for Ticket {
     }
 }
 
-/// A payload that has landed in its slot.
+/// A payload that has landed in its slot, with what it is: the tensor's
+/// name, dtype and shape ([`Loaded::as_slice`] views it typed). It owns the
+/// slot: dropping it (or [`Loaded::into_slot`]) hands the slot back.
 pub struct Loaded {
     slot: Slot,
     pad: usize,
     len: usize,
+    meta: Meta,
 }
 
 impl Loaded {
-    pub(crate) fn new(slot: Slot, pad: usize, len: usize) -> Self {
+    pub(crate) fn new(slot: Slot, pad: usize, len: usize, meta: Meta) -> Self {
         debug_assert!(pad + len <= slot.len());
-        Loaded { slot, pad, len }
+        Loaded { slot, pad, len, meta }
     }
 
-    /// Offset of the payload from the slot base (`file offset % align`).
+    /// The tensor's name.
+    pub fn name(&self) -> &str {
+        &self.meta.tensor().name
+    }
+
+    /// The payload's dtype (a byte range that cuts elements is `U8`).
+    pub fn dtype(&self) -> Dtype {
+        self.meta.part.as_ref().map_or(self.meta.tensor().dtype, |p| p.0)
+    }
+
+    /// The payload's shape, in elements (rows read: the row count first).
+    pub fn shape(&self) -> &[usize] {
+        self.meta.part.as_ref().map_or(&self.meta.tensor().shape, |p| &p.1)
+    }
+
+    /// Offset of the payload from the slot base (`file offset % align`;
+    /// 0 for a payload placed by `Engine::read_into`).
     pub fn pad(&self) -> usize {
         self.pad
+    }
+
+    /// The payload's bytes (also `&*loaded`).
+    pub fn bytes(&self) -> &[u8] {
+        self
+    }
+
+    /// The payload's bytes, writable (the engine no longer touches them).
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        let (pad, len) = (self.pad, self.len);
+        &mut self.slot.as_bytes_mut()[pad..pad + len]
+    }
+
+    /// The payload as `&[T]`: checked that `T` holds this dtype's elements
+    /// exactly ([`Element::DTYPES`]), that the bytes are a whole number of
+    /// `T`, and that they are aligned for `T` (a payload lands at
+    /// `file offset % block` in its slot: a file whose offsets are not
+    /// aligned for the dtype gives an unaligned payload; view it as bytes or
+    /// read it with `Engine::read_into` at an aligned place). No copy.
+    pub fn as_slice<T: Element>(&self) -> Result<&[T]> {
+        let b = self.bytes();
+        self.check_view::<T>(b.as_ptr() as usize, b.len())?;
+        // SAFETY: `T` is plain old data with no invalid bit patterns (the
+        // sealed `Element`), the pointer is aligned for `T` and the length a
+        // whole number of `T` (checked above), and the bytes are borrowed
+        // from `self` for the slice's lifetime.
+        Ok(unsafe { std::slice::from_raw_parts(b.as_ptr().cast::<T>(), b.len() / std::mem::size_of::<T>()) })
+    }
+
+    /// [`Loaded::as_slice`], writable.
+    pub fn as_mut_slice<T: Element>(&mut self) -> Result<&mut [T]> {
+        let (addr, len) = {
+            let b = self.bytes();
+            (b.as_ptr() as usize, b.len())
+        };
+        self.check_view::<T>(addr, len)?;
+        let b = self.bytes_mut();
+        // SAFETY: as `as_slice`, and `&mut self` makes the access exclusive.
+        Ok(unsafe { std::slice::from_raw_parts_mut(b.as_mut_ptr().cast::<T>(), len / std::mem::size_of::<T>()) })
+    }
+
+    fn check_view<T: Element>(&self, addr: usize, len: usize) -> Result<()> {
+        let (size, align) = (std::mem::size_of::<T>(), std::mem::align_of::<T>());
+        let why = if !T::DTYPES.contains(&self.dtype()) {
+            format!("its dtype {} is not one of {:?}", self.dtype().name(), T::DTYPES)
+        } else if !len.is_multiple_of(size) {
+            format!("{len} bytes are not a whole number of {size}-byte elements")
+        } else if !addr.is_multiple_of(align) {
+            format!(
+                "the payload at address {addr:#x} is not {align}-byte aligned (its file offset is not); view it as bytes, or read it with Engine::read_into at an aligned offset"
+            )
+        } else {
+            return Ok(());
+        };
+        Err(Error::View {
+            tensor: self.name().to_string(),
+            ty: std::any::type_name::<T>(),
+            why,
+        })
     }
 
     /// The slot, for reuse.
@@ -146,6 +263,9 @@ impl std::ops::Deref for Loaded {
 impl std::fmt::Debug for Loaded {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Loaded")
+            .field("name", &self.name())
+            .field("dtype", &self.dtype())
+            .field("shape", &self.shape())
             .field("pad", &self.pad)
             .field("len", &self.len)
             .finish()

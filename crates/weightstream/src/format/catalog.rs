@@ -69,6 +69,90 @@ pub struct TensorRef {
     pub index: usize,
 }
 
+impl TensorRef {
+    /// Bytes `range` of this tensor's payload (relative to its first byte),
+    /// as a reference an engine reads like any other (the same in-place,
+    /// EOF and alignment rules). The dtype is kept when the range holds
+    /// whole elements (shape: one dimension of that many), else it becomes
+    /// `U8` (shape: the byte count). An empty or out-of-payload range is an
+    /// error naming the tensor.
+    pub fn byte_range(&self, range: std::ops::Range<u64>) -> Result<TensorRef> {
+        if range.start >= range.end || range.end > self.len {
+            return Err(Error::Config(format!(
+                "tensor {}: byte range {}..{} is not inside its {} bytes",
+                self.name, range.start, range.end, self.len
+            )));
+        }
+        let len = range.end - range.start;
+        let bits = self.dtype.bits() as u64;
+        let whole = (range.start * 8).is_multiple_of(bits) && (len * 8).is_multiple_of(bits);
+        let (dtype, shape) = if whole {
+            (self.dtype, vec![(len * 8 / bits) as usize])
+        } else {
+            (Dtype::U8, vec![len as usize])
+        };
+        Ok(TensorRef {
+            offset: self.offset + range.start,
+            len,
+            dtype,
+            shape,
+            ..self.clone()
+        })
+    }
+
+    /// Rows `rows` of this tensor (its first dimension), as tensor-parallel
+    /// loaders slice a weight: the shape keeps every other dimension. A
+    /// scalar, a range outside the first dimension, or a row that is not a
+    /// whole number of bytes (sub-byte dtypes) is an error naming the tensor.
+    pub fn rows(&self, rows: std::ops::Range<usize>) -> Result<TensorRef> {
+        let Some((&first, rest)) = self.shape.split_first() else {
+            return Err(Error::Config(format!(
+                "tensor {} is a scalar: it has no rows",
+                self.name
+            )));
+        };
+        if rows.start >= rows.end || rows.end > first {
+            return Err(Error::Config(format!(
+                "tensor {}: rows {}..{} are not inside its {first} rows",
+                self.name, rows.start, rows.end
+            )));
+        }
+        let row_bits = rest
+            .iter()
+            .try_fold(self.dtype.bits() as u64, |acc, &d| acc.checked_mul(d as u64))
+            .filter(|b| b.is_multiple_of(8))
+            .ok_or_else(|| {
+                Error::Config(format!(
+                    "tensor {}: a row of shape {rest:?} of {} is not a whole number of bytes",
+                    self.name,
+                    self.dtype.name()
+                ))
+            })?;
+        let row = row_bits / 8;
+        let mut shape = self.shape.clone();
+        shape[0] = rows.end - rows.start;
+        Ok(TensorRef {
+            offset: self.offset + rows.start as u64 * row,
+            len: (rows.end - rows.start) as u64 * row,
+            shape,
+            ..self.clone()
+        })
+    }
+
+    /// Whether this reference reads (part of) `whole`'s payload: the same
+    /// tensor (name, shard, catalog index), its bytes inside `whole`'s.
+    pub(crate) fn is_part_of(&self, whole: &TensorRef) -> bool {
+        self.index == whole.index
+            && self.shard == whole.shard
+            && self.name == whole.name
+            && self.offset >= whole.offset
+            && self
+                .offset
+                .checked_add(self.len)
+                .is_some_and(|end| end <= whole.offset + whole.len)
+    }
+}
+
 /// All tensors of a model.
 #[derive(Debug, Clone)]
 pub struct Catalog {

@@ -4,3 +4,4 @@
 pub(crate) mod catalog;
 pub(crate) mod container;
 pub(crate) mod dtype;
+pub(crate) mod element;

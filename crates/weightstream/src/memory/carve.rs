@@ -51,10 +51,12 @@ impl Extents {
             return None;
         }
         let found = self.free.iter().find_map(|(&start, &len)| {
-            // The first start inside this free extent from which n bytes stay
-            // within one piece: here, or at the next piece boundary.
+            // The first start on the unit inside this free extent from which
+            // n bytes stay within one piece: here, or at the next piece
+            // boundary. (Free extents start off the unit only after a placed
+            // slot.)
             let end = start + len;
-            let mut at = start;
+            let mut at = start.checked_add(self.unit - 1)? & !(self.unit - 1);
             if at / self.piece != (at + n - 1) / self.piece {
                 at = (at / self.piece + 1) * self.piece;
             }
@@ -64,12 +66,12 @@ impl Extents {
         Some((found, n))
     }
 
-    /// Exactly `[at, at + want)` (`want` rounded up to the unit; `at` a
-    /// multiple of the unit), if it is wholly free. A slot placed by the
-    /// caller may cross a piece boundary (it then has no buffer index).
+    /// Exactly `[at, at + want)` (at least one byte), if it is wholly free:
+    /// any offset and length, as a caller places a payload. A placed slot
+    /// may cross a piece boundary (it then has no buffer index).
     pub(crate) fn take_at(&mut self, at: usize, want: usize) -> Option<(usize, usize)> {
-        let n = self.rounded(want)?;
-        if !at.is_multiple_of(self.unit) || at.checked_add(n).is_none_or(|end| end > self.len) {
+        let n = want.max(1);
+        if at.checked_add(n).is_none_or(|end| end > self.len) {
             return None;
         }
         let (&start, &len) = self.free.range(..=at).next_back()?;
@@ -173,13 +175,25 @@ mod tests {
         assert_eq!(e.take_at(2 * U, U).unwrap(), (2 * U, U));
         assert!(e.take_at(2 * U, U).is_none(), "overlaps a used extent");
         assert!(e.take_at(U, 2 * U).is_none(), "runs into a used extent");
-        assert!(e.take_at(100, U).is_none(), "not on the unit");
         assert!(e.take_at(7 * U, 2 * U).is_none(), "past the end");
         assert!(e.take_at(usize::MAX & !(U - 1), U).is_none(), "overflow");
         assert_eq!(e.take_at(3 * U, 5 * U).unwrap(), (3 * U, 5 * U));
         assert_eq!(e.take(U).unwrap(), (0, U));
         assert!(e.give_back(2 * U));
         assert_eq!(e.take(U).unwrap(), (U, U));
+        // Placed anywhere, any length; a first-fit slot after it starts on
+        // the unit again.
+        let mut e = Extents::new(8 * U, U, 8 * U);
+        assert_eq!(e.take_at(100, 1000).unwrap(), (100, 1000));
+        assert!(e.take_at(1099, 1).is_none(), "the last placed byte");
+        assert_eq!(e.take_at(1100, 1).unwrap(), (1100, 1));
+        assert_eq!(e.take(U).unwrap(), (U, U));
+        assert_eq!(e.take_at(0, 100).unwrap(), (0, 100));
+        for at in [0, 100, 1100, U] {
+            assert!(e.give_back(at));
+        }
+        assert_eq!(e.free_bytes(), 8 * U);
+        assert_eq!(e.free.len(), 1);
     }
 
     /// Random takes and returns against a byte map: no two live extents

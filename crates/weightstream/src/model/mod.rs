@@ -153,9 +153,12 @@ impl Model {
     /// The open shard holding `tensor`, after checking that `tensor` is this
     /// model's own (a `TensorRef` of another model could name a shard index
     /// and range that fit here and read the wrong bytes).
+    /// A reference to part of a tensor ([`TensorRef::byte_range`],
+    /// [`TensorRef::rows`]) is this model's own when its bytes lie inside
+    /// the whole tensor's.
     pub(crate) fn file_of(&self, tensor: &TensorRef) -> Result<&ShardFile> {
         match self.inner.catalog.tensors().get(tensor.index) {
-            Some(own) if own == tensor => Ok(&self.inner.files[tensor.shard]),
+            Some(own) if tensor.is_part_of(own) => Ok(&self.inner.files[tensor.shard]),
             _ => Err(Error::NoSuchTensor(format!(
                 "{} (this tensor reference belongs to another model than {})",
                 tensor.name,

@@ -21,10 +21,12 @@ use crate::storage::files::{Drive, ShardFile};
 /// the slot: see [`plan_in`].
 pub(crate) fn plan(path: &Path, file_size: u64, tensor: &TensorRef, slot: &Slot) -> Result<Window> {
     if slot.exact() {
-        // The payload at the slot's first byte: the extent is the payload
-        // itself (the in-place window's extent does not apply).
-        let w = plan_in(path, file_size, tensor, slot.spec(), usize::MAX)?.placed();
-        if w.len > slot.len() {
+        // The payload at the slot's first byte. A payload that starts on a
+        // block keeps its O_DIRECT window (it starts at the slot base);
+        // any other is read buffered into place: the extent is the payload.
+        let w = plan_in(path, file_size, tensor, slot.spec(), usize::MAX)?;
+        let w = if w.pad == 0 { w } else { w.placed() };
+        if w.slot_extent().is_none_or(|e| e > slot.len()) {
             return Err(Error::SlotTooSmall {
                 tensor: tensor.name.clone(),
                 need: w.len,

@@ -14,7 +14,7 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 
 use crate::config::DirectMode;
-use crate::engine::ticket::Loaded;
+use crate::engine::ticket::{Loaded, Meta};
 use crate::error::{Error, Result};
 use crate::format::catalog::TensorRef;
 use crate::memory::Slot;
@@ -28,7 +28,8 @@ impl Model {
     /// `slot base + offset % align`. On error the slot goes back to its arena.
     pub fn read_sync(&self, tensor: &TensorRef, slot: Slot) -> Result<Loaded> {
         let file = self.file_of(tensor)?;
-        read_sync(file, self.drives(), tensor, slot, self.direct_mode())
+        let meta = Meta::of(self, tensor);
+        read_sync(file, self.drives(), tensor, slot, self.direct_mode(), meta)
     }
 }
 
@@ -40,13 +41,14 @@ fn read_sync(
     tensor: &TensorRef,
     mut slot: Slot,
     mode: DirectMode,
+    meta: Meta,
 ) -> Result<Loaded> {
     let path = &file.path;
     let drive = &drives[file.drive];
     let w = plan(path, file.size, tensor, &slot)?;
     let c = &drive.counters;
     if w.len == 0 {
-        return Ok(Loaded::new(slot, w.pad, 0));
+        return Ok(Loaded::new(slot, w.pad, 0, meta));
     }
     // The same decision as the engine's, with one copy.
     let mut w = DirectPlan::decide(mode, w, &slot, &[file], drives).window;
@@ -100,7 +102,7 @@ fn read_sync(
         DriveCounters::add(&c.reads_buffered, 1);
     }
     DriveCounters::add(&c.bytes, w.len as u64);
-    Ok(Loaded::new(slot, w.pad, w.len))
+    Ok(Loaded::new(slot, w.pad, w.len, meta))
 }
 
 /// `pread` until `buf` is full or end of file; returns the bytes read.
