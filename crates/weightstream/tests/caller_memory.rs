@@ -1,0 +1,424 @@
+//! Reads into memory the caller owns, into one packed arena of mixed slot
+//! sizes, of parts of tensors (byte ranges, rows), typed views, and a
+//! submission that never blocks. Every payload is compared with what the
+//! writer wrote (or the reference reader's slices), on both backends, and
+//! every byte the caller did not hand over stays untouched.
+
+mod common;
+
+use std::ptr::NonNull;
+use std::time::{Duration, Instant};
+
+use weightstream::{
+    BackendChoice, DirectMode, Dtype, Engine, EngineConfig, Error, Loaded, Model, ModelConfig, Scratch, TensorRef,
+};
+use weightstream_synth::{self as synth, SynthSpec};
+
+const GUARD: u8 = 0xA5;
+
+fn spec() -> SynthSpec {
+    SynthSpec {
+        layers: 2,
+        experts: 2,
+        expert_bytes: 300_000,
+        shards: 2,
+        seed: 0xca11,
+        ..SynthSpec::default()
+    }
+}
+
+fn model(dir: &std::path::Path) -> (Model, SynthSpec) {
+    let s = spec();
+    common::synth_model(dir, &s);
+    (Model::open(ModelConfig::new(dir)).unwrap(), s)
+}
+
+fn backends() -> Vec<BackendChoice> {
+    if common::uring_available() {
+        vec![BackendChoice::Uring, BackendChoice::Pread]
+    } else {
+        vec![BackendChoice::Pread]
+    }
+}
+
+fn engine(model: &Model, backend: BackendChoice) -> Engine {
+    Engine::new(model, EngineConfig::default().backend(backend)).unwrap()
+}
+
+/// Page-aligned memory the test owns, freed on drop.
+struct Owned {
+    ptr: NonNull<u8>,
+    layout: std::alloc::Layout,
+}
+
+impl Owned {
+    fn new(len: usize, fill: u8) -> Self {
+        let layout = std::alloc::Layout::from_size_align(len, 4096).unwrap();
+        // SAFETY: a non-zero size with a valid layout.
+        let p = unsafe { std::alloc::alloc(layout) };
+        let ptr = NonNull::new(p).expect("allocation");
+        // SAFETY: freshly allocated, `len` bytes.
+        unsafe { std::ptr::write_bytes(ptr.as_ptr(), fill, len) };
+        Owned { ptr, layout }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: the allocation lives as long as `self`; read only after
+        // every read into it completed (the tests wait first).
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.layout.size()) }
+    }
+}
+
+impl Drop for Owned {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) };
+    }
+}
+
+/// The writer's bytes of `t` (or of the part of it `t` names).
+fn expected(seed: u64, model: &Model, t: &TensorRef) -> Vec<u8> {
+    let whole = model.tensor(&t.name).unwrap();
+    let mut v = vec![0u8; t.len as usize];
+    synth::fill(seed, &t.name, (t.offset - whole.offset) as usize, &mut v);
+    v
+}
+
+/// Every tensor of every size from ONE packed arena, all held at once: no
+/// two slots overlap, every payload is the writer's, and the arena is one
+/// registered mapping (no chunk read unregistered on io_uring).
+#[test]
+fn one_packed_arena_holds_every_tensor_of_every_size() {
+    let tmp = common::tempdir();
+    let (model, s) = model(&tmp.path().join("m"));
+    let tensors = model.catalog().tensors();
+    let sizes: std::collections::BTreeSet<u64> = tensors.iter().map(|t| t.len).collect();
+    assert!(sizes.len() >= 4, "the fixture has tensors of several sizes: {sizes:?}");
+    for backend in backends() {
+        let e = engine(&model, backend);
+        let need: usize = tensors
+            .iter()
+            .map(|t| (t.len as usize + 4096).next_multiple_of(4096))
+            .sum();
+        let arena = e.packed_arena(need, false).unwrap();
+        let tickets: Vec<_> = tensors
+            .iter()
+            .map(|t| {
+                let slot = arena
+                    .take_for(t)
+                    .unwrap_or_else(|| panic!("{backend:?}: no room for {}", t.name));
+                e.read(t, slot).unwrap()
+            })
+            .collect();
+        let loaded: Vec<Loaded> = tickets.into_iter().map(|k| k.wait().unwrap()).collect();
+        for (t, l) in tensors.iter().zip(&loaded) {
+            assert!(synth::verify(s.seed, &t.name, l), "{backend:?}: {}", t.name);
+            assert_eq!(
+                (l.name(), l.dtype(), l.shape()),
+                (t.name.as_str(), t.dtype, &t.shape[..])
+            );
+        }
+        // Disjoint: every slot's bytes are its own.
+        let mut ranges: Vec<(usize, usize)> = loaded
+            .iter()
+            .map(|l| (l.slot().offset(), l.slot().offset() + l.slot().len()))
+            .collect();
+        ranges.sort();
+        assert!(
+            ranges.windows(2).all(|w| w[0].1 <= w[1].0),
+            "{backend:?}: overlapping slots"
+        );
+        if backend == BackendChoice::Uring {
+            let st = e.stats();
+            assert!(st.registered_buffers.unwrap().enabled);
+            assert_eq!(st.drives.iter().map(|d| d.chunks_unregistered).sum::<u64>(), 0);
+        }
+        drop(loaded);
+        assert_eq!(arena.available(), arena.bytes(), "{backend:?}: every extent came back");
+    }
+}
+
+/// `read_into` with no scratch writes exactly the payload at the offset
+/// asked for: every other byte of the caller's memory keeps its pattern.
+/// Payloads whose file offset starts a block read O_DIRECT; the others go
+/// buffered into place, counted as `placed`.
+#[test]
+fn read_into_writes_exactly_the_payload_where_asked() {
+    let tmp = common::tempdir();
+    let (model, s) = model(&tmp.path().join("m"));
+    let tensors = model.catalog().tensors();
+    for backend in backends() {
+        let e = engine(&model, backend);
+        // Packed tightly, 64-byte aligned, with 4096 guard bytes at each end.
+        let mut at = 4096;
+        let places: Vec<usize> = tensors
+            .iter()
+            .map(|t| {
+                let p = at;
+                at = (at + t.len as usize).next_multiple_of(64);
+                p
+            })
+            .collect();
+        let mem = Owned::new(at + 4096, GUARD);
+        // SAFETY: `mem` outlives the arena and every ticket (dropped first,
+        // below); nothing else touches it while reads are in flight.
+        let arena = unsafe { e.register_memory(mem.ptr, mem.layout.size()) }.unwrap();
+        assert!(arena.is_borrowed());
+        let before = e.stats();
+        let tickets: Vec<_> = tensors
+            .iter()
+            .zip(&places)
+            .map(|(t, &p)| e.read_into(t, &arena, p, Scratch::None).unwrap())
+            .collect();
+        for k in tickets {
+            drop(k.wait().unwrap());
+        }
+        drop(arena);
+        let b = mem.bytes();
+        let mut covered = vec![false; b.len()];
+        for (t, &p) in tensors.iter().zip(&places) {
+            assert_eq!(
+                &b[p..p + t.len as usize],
+                &expected(s.seed, &model, t)[..],
+                "{backend:?}: {}",
+                t.name
+            );
+            covered[p..p + t.len as usize].fill(true);
+        }
+        let stray = b.iter().zip(&covered).filter(|(&x, &c)| !c && x != GUARD).count();
+        assert_eq!(stray, 0, "{backend:?}: bytes outside the payloads were written");
+        let after = e.stats();
+        let placed = |st: &weightstream::Stats| {
+            st.drives
+                .iter()
+                .map(|d| d.fallbacks.get("placed").copied().unwrap_or(0))
+                .sum::<u64>()
+        };
+        let aligned = tensors.iter().filter(|t| t.offset % 4096 == 0).count() as u64;
+        assert!(
+            placed(&after) - placed(&before) >= tensors.len() as u64 - aligned - 1,
+            "{backend:?}"
+        );
+    }
+}
+
+/// With `Scratch::Before` the block before each payload may be used, so
+/// every payload with a whole block reads O_DIRECT in place; nothing more
+/// than one block before a payload, and nothing after it, is written.
+#[test]
+fn read_into_with_scratch_reads_direct_and_stays_within_a_block() {
+    let tmp = common::tempdir();
+    let (model, s) = model(&tmp.path().join("m"));
+    let experts: Vec<&TensorRef> = model
+        .catalog()
+        .tensors()
+        .iter()
+        .filter(|t| t.name.contains(".experts."))
+        .collect();
+    for backend in backends() {
+        let e = engine(&model, backend);
+        // Each payload at a block boundary + its file pad, two blocks apart.
+        let mut at = 8192;
+        let places: Vec<usize> = experts
+            .iter()
+            .map(|t| {
+                let p = at + (t.offset % 4096) as usize;
+                at = (p + t.len as usize + 8192).next_multiple_of(4096);
+                p
+            })
+            .collect();
+        let mem = Owned::new(at, GUARD);
+        // SAFETY: as above.
+        let arena = unsafe { e.register_memory(mem.ptr, mem.layout.size()) }.unwrap();
+        let direct0 = e.stats().reads_direct();
+        let tickets: Vec<_> = experts
+            .iter()
+            .zip(&places)
+            .map(|(t, &p)| e.read_into(t, &arena, p, Scratch::Before).unwrap())
+            .collect();
+        for k in tickets {
+            drop(k.wait().unwrap());
+        }
+        drop(arena);
+        assert!(
+            e.stats().reads_direct() - direct0 >= experts.len() as u64,
+            "{backend:?}: not O_DIRECT"
+        );
+        let b = mem.bytes();
+        let mut allowed = vec![false; b.len()];
+        for (t, &p) in experts.iter().zip(&places) {
+            assert_eq!(
+                &b[p..p + t.len as usize],
+                &expected(s.seed, &model, t)[..],
+                "{backend:?}: {}",
+                t.name
+            );
+            allowed[p - (t.offset % 4096) as usize..p + t.len as usize].fill(true);
+        }
+        assert!(
+            b.iter().zip(&allowed).all(|(&x, &ok)| ok || x == GUARD),
+            "{backend:?}: a byte outside payload + its block was written"
+        );
+    }
+}
+
+/// A placement that overlaps a slot in use is an error, not a wait, and not
+/// a write; caller memory off the page reads buffered (counted), correctly.
+#[test]
+fn overlapping_or_misaligned_caller_memory() {
+    let tmp = common::tempdir();
+    let (model, s) = model(&tmp.path().join("m"));
+    let t = model.catalog().tensors().iter().max_by_key(|t| t.len).unwrap().clone();
+    let e = engine(&model, backends()[0]);
+    let mem = Owned::new(2 * t.len as usize + 8192, GUARD);
+    // SAFETY: as above.
+    let arena = unsafe { e.register_memory(mem.ptr, mem.layout.size()) }.unwrap();
+    let held = e.read_into(&t, &arena, 100, Scratch::None).unwrap().wait().unwrap();
+    let err = e.read_into(&t, &arena, 200, Scratch::None).unwrap_err();
+    assert!(
+        err.to_string().contains("overlap") && err.to_string().contains(&t.name),
+        "{err}"
+    );
+    assert!(
+        e.read_into(&t, &arena, mem.layout.size() - 10, Scratch::None).is_err(),
+        "past the end"
+    );
+    drop(held);
+    drop(arena);
+    // One byte off the page: every read goes buffered, bytes still right.
+    let off = NonNull::new(mem.ptr.as_ptr().wrapping_add(1)).unwrap();
+    // SAFETY: inside `mem`, which outlives the arena.
+    let arena = unsafe { e.register_memory(off, mem.layout.size() - 1) }.unwrap();
+    let l = e.read_into(&t, &arena, 0, Scratch::Before).unwrap().wait().unwrap();
+    assert!(synth::verify(s.seed, &t.name, &l));
+}
+
+/// Rows and byte ranges of a tensor read like any other, with the bytes the
+/// reference reader's slices have (`get_slice(name)[1:3]`, and bytes
+/// 1..len-2 of `get_tensor`), on both backends and both direct modes.
+#[test]
+fn parts_of_tensors_match_the_reference_readers_slices() {
+    let tmp = common::tempdir();
+    let dir = tmp.path().join("ref");
+    let Some(_) = common::reference_digests(&dir) else {
+        return;
+    };
+    let out = std::process::Command::new("python3")
+        .arg(common::lib_tests_dir().join("reference/ref_slices.py"))
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let lines = String::from_utf8(out.stdout).unwrap();
+    assert!(lines.lines().count() > 10, "{lines}");
+    for direct in [DirectMode::Auto, DirectMode::Off] {
+        let model = Model::open(ModelConfig::new(&dir).direct(direct)).unwrap();
+        for backend in backends() {
+            let e = engine(&model, backend);
+            let arena = e.packed_arena(16 << 20, false).unwrap();
+            for line in lines.lines() {
+                let (hex, rest) = line.split_once("  ").unwrap();
+                let f: Vec<&str> = rest.rsplitn(4, ' ').collect(); // end, start, kind, name
+                let (name, kind, a, b) = (f[3], f[2], f[1].parse::<u64>().unwrap(), f[0].parse::<u64>().unwrap());
+                let t = model.tensor(name).unwrap();
+                let part = match kind {
+                    "rows" => t.rows(a as usize..b as usize).unwrap(),
+                    _ => t.byte_range(a..b).unwrap(),
+                };
+                let l = e.read(&part, arena.take_for(&part).unwrap()).unwrap().wait().unwrap();
+                assert_eq!(common::sha256_hex(&l), hex, "{direct:?} {backend:?}: {rest}");
+                if kind == "rows" {
+                    assert_eq!(l.shape()[0], 2);
+                    assert_eq!(l.dtype(), t.dtype);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn parts_refuse_what_is_not_inside_the_tensor() {
+    let tmp = common::tempdir();
+    let (model, _) = model(&tmp.path().join("m"));
+    let t = model.tensor("model.layers.0.mlp.router.weight").unwrap();
+    assert!(t.rows(0..t.shape[0] + 1).is_err());
+    assert!(t.rows(1..1).is_err());
+    assert!(t.byte_range(0..t.len + 1).is_err());
+    let cut = t.byte_range(1..4).unwrap();
+    assert_eq!(
+        (cut.dtype, &cut.shape[..]),
+        (Dtype::U8, &[3][..]),
+        "a range cutting BF16 elements is bytes"
+    );
+    let whole = t.byte_range(2..t.len).unwrap();
+    assert_eq!(whole.dtype, t.dtype);
+    // A part whose bytes leave the tensor is another model's, not wrong bytes.
+    let mut forged = t.clone();
+    forged.len += 2;
+    let e = engine(&model, backends()[0]);
+    let arena = e.packed_arena(1 << 20, false).unwrap();
+    assert!(matches!(
+        e.read(&forged, arena.take_for(t).unwrap()),
+        Err(Error::NoSuchTensor(_))
+    ));
+}
+
+/// Typed views check the dtype, the length and the alignment.
+#[test]
+fn typed_views_are_checked() {
+    let tmp = common::tempdir();
+    let (model, s) = model(&tmp.path().join("m"));
+    let e = engine(&model, backends()[0]);
+    let arena = e.packed_arena(8 << 20, false).unwrap();
+    let t = model.tensor("model.layers.1.mlp.experts.0.up_proj.weight").unwrap();
+    let l = e.read(t, arena.take_for(t).unwrap()).unwrap().wait().unwrap();
+    assert_eq!(l.dtype(), Dtype::Bf16);
+    if (l.as_ptr() as usize).is_multiple_of(2) {
+        let v = l.as_slice::<u16>().unwrap();
+        assert_eq!(v.len() * 2, l.len());
+        assert_eq!(v[0].to_le_bytes(), [l[0], l[1]]);
+    } else {
+        assert!(matches!(l.as_slice::<u16>(), Err(Error::View { .. })));
+    }
+    let e32 = l.as_slice::<f32>().unwrap_err();
+    assert!(e32.to_string().contains("dtype BF16"), "{e32}");
+    assert!(synth::verify(s.seed, &t.name, &l));
+}
+
+/// `read` never blocks: with one chunk in flight per drive and a thousand
+/// chunks to go, it returns at once; the chunks are worked off behind it.
+#[test]
+fn read_returns_at_once_whatever_the_queue_depth() {
+    let tmp = common::tempdir();
+    let (model, s) = model(&tmp.path().join("m"));
+    let t = model.catalog().tensors().iter().max_by_key(|t| t.len).unwrap();
+    for backend in backends() {
+        let e = Engine::new(
+            &model,
+            EngineConfig::default()
+                .backend(backend)
+                .queue_depth(1)
+                .chunk(Some(4096))
+                .pread_threads(1),
+        )
+        .unwrap();
+        let arena = e.packed_arena(4 * (t.len as usize + 8192), true).unwrap();
+        let t0 = Instant::now();
+        let tickets: Vec<_> = (0..4).map(|_| e.read(t, arena.take_for(t).unwrap()).unwrap()).collect();
+        let submit = t0.elapsed();
+        let ready_at_submit = tickets.iter().filter(|k| k.is_ready()).count();
+        for k in tickets {
+            assert!(synth::verify(s.seed, &t.name, &k.wait().unwrap()));
+        }
+        let total = t0.elapsed();
+        assert!(
+            ready_at_submit < 4,
+            "{backend:?}: the reads were done before read() returned"
+        );
+        assert!(
+            submit < Duration::from_millis(20) && submit * 5 < total,
+            "{backend:?}: submitting 4 x {} chunks took {submit:?} of {total:?}",
+            t.len / 4096
+        );
+    }
+}
