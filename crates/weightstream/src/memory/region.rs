@@ -38,7 +38,7 @@ static HUGEPAGE_WARNED: AtomicBool = AtomicBool::new(false);
 /// Arena mappings of at least 2 MiB whose `madvise(MADV_HUGEPAGE)` the
 /// kernel refused (they use 4 KiB pages; warned once). A kernel with
 /// transparent huge pages `never` accepts the advice and ignores it: see
-/// [`Arena::huge_page_bytes`] for what an arena really got.
+/// [`Arena::huge_page_bytes`](crate::Arena::huge_page_bytes) for what an arena really got.
 pub fn hugepage_refusals() -> u64 {
     HUGEPAGE_REFUSALS.load(Ordering::Relaxed)
 }
