@@ -106,6 +106,42 @@ pub(crate) enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Load every tensor (or those named) into memory and report how fast, with how much CPU, peak
+    /// memory and page-cache growth: weightstream's load_all (one mapping, payloads aligned for their
+    /// dtype, O_DIRECT in place), or the loaders it replaces, for comparison.
+    Load {
+        model_dir: PathBuf,
+        /// weightstream (load_all), safetensors-mmap (memmap2 + the safetensors crate + to_vec of every
+        /// tensor, as candle-style loaders do), fs-read (std::fs::read of each shard, tensors borrowed from
+        /// it), mmap (mapped, every page touched, nothing copied: the pages stay in the page cache).
+        #[arg(long, value_enum, default_value = "weightstream")]
+        method: LoadMethod,
+        /// Only tensors whose name contains one of these (repeatable).
+        #[arg(long = "name")]
+        names: Vec<String>,
+        /// Every payload's address a multiple of this too (a power of two, at most 4096; weightstream only).
+        #[arg(long, default_value_t = 0)]
+        align: usize,
+        /// The order tensors are laid out and read in (weightstream only).
+        #[arg(long, value_enum, default_value = "file")]
+        order: OrderArg,
+        /// Fault the whole mapping in before reading (weightstream only; default: each page is faulted by
+        /// the read that lands in it).
+        #[arg(long)]
+        populate: bool,
+        /// Register the mapping with the rings before reading (weightstream only; pins every page first).
+        #[arg(long)]
+        register: bool,
+        /// sha256 of every tensor after the load (not timed): printed as `digest` does, or in the JSON.
+        #[arg(long)]
+        digest: bool,
+        #[command(flatten)]
+        engine: EngineArgs,
+        #[command(flatten)]
+        layout: LayoutArgs,
+        #[arg(long)]
+        json: bool,
+    },
     /// Write a synthetic MoE model (safetensors' own serializer; deterministic content from a seed).
     Gen {
         model_dir: PathBuf,
@@ -245,6 +281,38 @@ pub(crate) struct EngineArgs {
     /// prefer local copies) or off (default: WEIGHTSTREAM_NUMA or on).
     #[arg(long, value_enum)]
     pub(crate) numa: Option<OnOff>,
+}
+
+/// `load --method`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub(crate) enum LoadMethod {
+    /// `Engine::load_all`.
+    Weightstream,
+    /// memmap2 + safetensors + `to_vec` of every tensor.
+    SafetensorsMmap,
+    /// `std::fs::read` of every shard, tensors borrowed from the bytes.
+    FsRead,
+    /// Mapped and touched, never copied.
+    Mmap,
+}
+
+/// `load --order`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum OrderArg {
+    /// By shard, then file offset.
+    File,
+    /// Largest payload first.
+    Size,
+}
+
+impl From<OrderArg> for weightstream::Order {
+    fn from(o: OrderArg) -> Self {
+        match o {
+            OrderArg::File => weightstream::Order::File,
+            OrderArg::Size => weightstream::Order::Size,
+        }
+    }
 }
 
 /// `--route`.

@@ -12,6 +12,7 @@
 //! plan     -> window, chunks, the direct/buffered decision (pure)
 //! engine   -> submit -> router -> lanes -> backend (ring | pread | sync)
 //!             -> completion -> ticket -> Loaded
+//! load     -> whole-model loads (LoadedModel) and streams (TensorStream)
 //! ```
 //!
 //! Nothing below imports anything above it (`ci/layers` checks it). See
@@ -65,6 +66,7 @@ mod error;
 mod fork;
 mod format;
 pub mod layer_placement;
+mod load;
 mod memory;
 mod model;
 mod plan;
@@ -78,6 +80,10 @@ pub use format::catalog::{Catalog, ShardInfo, TensorRef, INDEX_FILE, MAX_INDEX_L
 pub use format::container::{ShardHeader, TensorEntry, MAX_HEADER_LEN};
 pub use format::dtype::Dtype;
 pub use format::element::Element;
+pub use load::{
+    LoadOptions, LoadProgress, LoadReport, LoadedModel, Order, TensorStream, TensorView, DEFAULT_LOAD_WINDOW,
+    MAX_LOAD_ALIGN,
+};
 pub use memory::{dontfork_failures, hugepage_refusals, Arena, Slot, SlotSpec};
 pub use model::{CopyReport, FileVerdict, Model, VerifyReport};
 pub use stats::{DriveStats, FallbackCause, Feature, Stats};

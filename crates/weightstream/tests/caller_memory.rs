@@ -422,3 +422,55 @@ fn read_returns_at_once_whatever_the_queue_depth() {
         );
     }
 }
+
+/// `wait_timeout` hands the ticket back while the read is in flight (a
+/// 2 MB/s drive: a 1 MiB expert takes half a second), and the payload once
+/// it lands; the ticket can be polled again in between.
+#[test]
+fn wait_timeout_hands_the_ticket_back_while_the_read_is_in_flight() {
+    let Some(sim) = common::SimDrives::up(1, "loop", "2") else {
+        return;
+    };
+    let dir = sim.mounts[0].join("m");
+    let s = SynthSpec {
+        layers: 1,
+        experts: 2,
+        expert_bytes: 1 << 20,
+        shards: 1,
+        seed: 0x71,
+        ..SynthSpec::default()
+    };
+    common::synth_model(&dir, &s);
+    // Written through the page cache: drop it so the read goes to the drive.
+    std::fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
+    let model = Model::open(ModelConfig::new(&dir)).unwrap();
+    for backend in backends() {
+        let e = engine(&model, backend);
+        let t = model
+            .catalog()
+            .tensors()
+            .iter()
+            .find(|t| t.name.contains(".experts."))
+            .unwrap()
+            .clone();
+        let arena = e.packed_arena(4 << 20, false).unwrap();
+        let mut ticket = e.read(&t, arena.take_for(&t).unwrap()).unwrap();
+        let t0 = Instant::now();
+        ticket = match ticket.wait_timeout(Duration::from_millis(20)) {
+            Err(k) => k,
+            Ok(r) => panic!(
+                "{backend:?}: 1 MiB at 2 MB/s landed within 20 ms: {:?}",
+                r.map(|l| l.len())
+            ),
+        };
+        assert!(t0.elapsed() >= Duration::from_millis(20));
+        let loaded = loop {
+            match ticket.wait_timeout(Duration::from_millis(50)) {
+                Ok(r) => break r.unwrap(),
+                Err(k) => ticket = k,
+            }
+            assert!(t0.elapsed() < Duration::from_secs(30), "{backend:?}: never landed");
+        };
+        assert!(synth::verify(s.seed, &t.name, &loaded), "{backend:?}");
+    }
+}

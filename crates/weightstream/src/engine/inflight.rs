@@ -167,6 +167,31 @@ impl<S> Request<S> {
         Self::take(&mut st)
     }
 
+    /// [`Request::wait`] for at most `timeout`: `None` when the request is
+    /// still in flight then (nothing taken).
+    pub(crate) fn wait_timeout(&self, timeout: std::time::Duration) -> Option<Outcome<S>> {
+        let deadline = std::time::Instant::now().checked_add(timeout);
+        let mut st = lock(&self.state);
+        while !st.done {
+            // A timeout too large for the clock is no timeout.
+            let left = match deadline {
+                Some(d) => d.saturating_duration_since(std::time::Instant::now()),
+                None => std::time::Duration::MAX,
+            };
+            if left.is_zero() {
+                st.sleeping = false;
+                return None;
+            }
+            st.sleeping = true;
+            st = match self.done_cv.wait_timeout(st, left) {
+                Ok((g, _)) => g,
+                Err(p) => p.into_inner().0,
+            };
+        }
+        st.sleeping = false;
+        Some(Self::take(&mut st))
+    }
+
     /// Takes the result if the request is complete.
     pub(crate) fn try_take(&self) -> Option<Outcome<S>> {
         let mut st = lock(&self.state);

@@ -100,6 +100,19 @@ impl Ticket {
         self.resolve(o)
     }
 
+    /// [`Ticket::wait`] for at most `timeout`: the payload (or the read's
+    /// error), or the ticket back when the read is still in flight then.
+    /// In a forked child it returns [`Error::Forked`] at once.
+    pub fn wait_timeout(self, timeout: std::time::Duration) -> std::result::Result<Result<Loaded>, Ticket> {
+        if let Err(e) = self.origin.check() {
+            return Ok(Err(e));
+        }
+        match self.req.wait_timeout(timeout) {
+            Some(o) => Ok(self.resolve(o)),
+            None => Err(self),
+        }
+    }
+
     /// Whether every chunk has completed.
     pub fn is_ready(&self) -> bool {
         self.req.is_done()

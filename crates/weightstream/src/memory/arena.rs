@@ -148,7 +148,8 @@ enum Carve {
         free: Mutex<Vec<usize>>,
     },
     /// Slots of any size: first fit over the free extents (none crossing a
-    /// [`PIECE`]), or at a place the caller names.
+    /// [`PIECE`], except a slot larger than a piece: it has no buffer index
+    /// and reads unregistered), or at a place the caller names.
     Packed {
         /// Scratch alignment of the slots this arena sizes itself
         /// ([`Arena::take_for`]).

@@ -43,13 +43,12 @@ impl Extents {
     }
 
     /// The lowest free extent of `want` bytes (rounded up to the unit) that
-    /// crosses no piece boundary: its start. `None` when no free extent fits
-    /// (or `want` is larger than a piece).
+    /// crosses no piece boundary: its start. An extent larger than a piece
+    /// cannot stay inside one: it is the lowest free run on the unit of that
+    /// size, wherever it starts (such a slot has no buffer index). `None`
+    /// when no free extent fits.
     pub(crate) fn take(&mut self, want: usize) -> Option<(usize, usize)> {
         let n = self.rounded(want)?;
-        if n > self.piece {
-            return None;
-        }
         let found = self.free.iter().find_map(|(&start, &len)| {
             // The first start on the unit inside this free extent from which
             // n bytes stay within one piece: here, or at the next piece
@@ -57,10 +56,10 @@ impl Extents {
             // slot.)
             let end = start + len;
             let mut at = start.checked_add(self.unit - 1)? & !(self.unit - 1);
-            if at / self.piece != (at + n - 1) / self.piece {
+            if n <= self.piece && at / self.piece != (at + n - 1) / self.piece {
                 at = (at / self.piece + 1) * self.piece;
             }
-            (at + n <= end).then_some(at)
+            (at.checked_add(n)? <= end).then_some(at)
         })?;
         self.claim(found, n);
         Some((found, n))
@@ -163,10 +162,23 @@ mod tests {
         // 2 units would cross the boundary at 4: it starts at the next piece.
         assert_eq!(e.take(2 * U).unwrap(), (4 * U, 2 * U));
         assert_eq!(e.take(U).unwrap(), (3 * U, U));
-        assert!(e.take(5 * U).is_none(), "larger than a piece");
+        assert!(e.take(5 * U).is_none(), "no free run that long");
         assert!(e.take(3 * U).is_none(), "only 2 units left in the last piece");
         assert_eq!(e.take(2 * U).unwrap(), (6 * U, 2 * U));
         assert!(e.take(1).is_none());
+    }
+
+    /// An extent larger than a piece cannot stay inside one: it takes the
+    /// lowest free run of its size, across piece boundaries.
+    #[test]
+    fn an_extent_larger_than_a_piece_spans_pieces() {
+        let mut e = Extents::new(12 * U, U, 4 * U);
+        assert_eq!(e.take(U).unwrap(), (0, U));
+        assert_eq!(e.take(6 * U).unwrap(), (U, 6 * U), "crosses the boundary at 4");
+        assert!(e.take(6 * U).is_none(), "5 units left");
+        assert_eq!(e.take(2 * U).unwrap(), (8 * U, 2 * U), "a small one stays in a piece");
+        assert!(e.give_back(U));
+        assert_eq!(e.take(5 * U).unwrap(), (U, 5 * U));
     }
 
     #[test]

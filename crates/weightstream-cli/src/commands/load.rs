@@ -1,0 +1,338 @@
+//! `weightstream load`: a whole model into memory, by weightstream's
+//! `load_all` or by the loaders it replaces, with what each cost: wall
+//! time, CPU, peak resident memory and page-cache growth.
+//!
+//! Every method ends holding every selected tensor's bytes in memory the
+//! process can read (the `mmap` method's are the page cache's pages), so
+//! peak RSS compares like with like. The timed region starts before the
+//! model's headers are read and ends when the last payload is in memory;
+//! `--digest` hashes afterwards, untimed.
+
+use std::collections::BTreeMap;
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use sha2::{Digest, Sha256};
+use weightstream::{Engine, LoadOptions, Model, Order};
+
+use crate::cli::{EngineArgs, LayoutArgs, LoadMethod};
+use crate::commands::CliResult;
+
+/// The command's options (beyond the engine's and the layout's).
+pub(crate) struct LoadArgs {
+    pub(crate) method: LoadMethod,
+    pub(crate) names: Vec<String>,
+    pub(crate) align: usize,
+    pub(crate) order: Order,
+    pub(crate) populate: bool,
+    pub(crate) register: bool,
+    pub(crate) digest: bool,
+    pub(crate) json: bool,
+}
+
+/// What one load cost (`--json` prints it).
+#[derive(Debug, serde::Serialize)]
+struct LoadRecord {
+    method: LoadMethod,
+    model_dir: PathBuf,
+    tensors: usize,
+    /// Payload bytes loaded.
+    bytes: u64,
+    /// Opening the model (headers) through the last payload in memory.
+    seconds: f64,
+    /// Payload GB (10^9 bytes) per second of `seconds`.
+    gbps: f64,
+    /// Process CPU seconds over the timed region (getrusage: io-wq workers
+    /// included).
+    cpu_seconds: f64,
+    cpu_seconds_per_gb: f64,
+    /// Peak resident set of the process (ru_maxrss), over its whole life.
+    peak_rss_bytes: u64,
+    /// Resident set when the timed region started (the binary, its heap).
+    rss_start_bytes: u64,
+    /// `Cached` of /proc/meminfo after minus before (the whole machine's:
+    /// other processes' I/O shows up too).
+    page_cache_growth_bytes: i64,
+    /// weightstream only: the load's own report (mapping time, in place
+    /// and placed payloads) and the engine's stats.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    report: Option<weightstream::LoadReport>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stats: Option<weightstream::Stats>,
+}
+
+/// The tensors a method ended with: name -> payload bytes (borrowed from
+/// wherever the method keeps them).
+type Payloads<'a> = BTreeMap<String, &'a [u8]>;
+
+/// Each selected tensor's name and byte range within a shard's bytes.
+type Ranges = Vec<(String, std::ops::Range<usize>)>;
+
+pub(crate) fn load(dir: &Path, args: &LoadArgs, engine_args: &EngineArgs, layout: &LayoutArgs) -> CliResult {
+    let cache0 = page_cache_bytes();
+    let rss0 = current_rss_bytes();
+    let cpu0 = crate::ceiling::process_cpu_seconds();
+    let t0 = Instant::now();
+    let model = Model::open(layout.config(dir, None)?)?;
+    let selected = |name: &str| args.names.is_empty() || args.names.iter().any(|n| name.contains(n.as_str()));
+    let total: u64 = model
+        .catalog()
+        .tensors()
+        .iter()
+        .filter(|t| selected(&t.name))
+        .map(|t| t.len)
+        .sum();
+    let bar = ProgressBar::new(!args.json && std::io::stderr().is_terminal(), total);
+
+    // Each arm keeps what it loaded alive until the measurements are taken.
+    let mut report = None;
+    let mut stats = None;
+    let engine;
+    let loaded;
+    let owned: Vec<(String, Vec<u8>)>;
+    let files: Vec<(Vec<u8>, Ranges)>;
+    let maps: Vec<(memmap2::Mmap, Ranges)>;
+    let payloads: Payloads<'_> = match args.method {
+        LoadMethod::Weightstream => {
+            let Some(cfg) = engine_args.config()? else {
+                return Err("load: the sync backend has no engine; use auto, uring or pread".into());
+            };
+            engine = Engine::new(&model, cfg)?;
+            let mut opts = LoadOptions::new()
+                .align(args.align)
+                .order(args.order)
+                .populate(args.populate)
+                .register(args.register)
+                .names_containing(args.names.iter().cloned());
+            let b = bar.clone();
+            opts = opts.progress(move |p| b.set(p.bytes));
+            loaded = engine.load_all(&opts)?;
+            report = Some(loaded.report().clone());
+            stats = Some(engine.stats());
+            loaded.iter().map(|t| (t.name().to_string(), t.bytes())).collect()
+        }
+        LoadMethod::SafetensorsMmap => {
+            let mut v = Vec::new();
+            for shard in model.catalog().shards() {
+                let map = map_file(&shard.path)?;
+                let st = safetensors::SafeTensors::deserialize(&map)
+                    .map_err(|e| format!("{}: {e}", shard.path.display()))?;
+                for (name, view) in st.tensors() {
+                    if selected(&name) {
+                        // What candle-style loaders do: an owned copy of each tensor.
+                        let bytes = view.data().to_vec();
+                        bar.add(bytes.len() as u64);
+                        v.push((name, bytes));
+                    }
+                }
+            }
+            owned = v;
+            owned.iter().map(|(n, b)| (n.clone(), &b[..])).collect()
+        }
+        LoadMethod::FsRead => {
+            let mut v = Vec::new();
+            for shard in model.catalog().shards() {
+                let bytes = std::fs::read(&shard.path).map_err(|e| format!("{}: {e}", shard.path.display()))?;
+                bar.add(bytes.len() as u64);
+                let ranges = tensor_ranges(&bytes, &shard.path, &selected)?;
+                v.push((bytes, ranges));
+            }
+            files = v;
+            files
+                .iter()
+                .flat_map(|(b, r)| r.iter().map(move |(n, r)| (n.clone(), &b[r.clone()])))
+                .collect()
+        }
+        LoadMethod::Mmap => {
+            let mut v = Vec::new();
+            for shard in model.catalog().shards() {
+                let map = map_file(&shard.path)?;
+                let ranges = tensor_ranges(&map, &shard.path, &selected)?;
+                // Touch every page of every payload so it is really read.
+                for (_, r) in &ranges {
+                    touch(&map[r.clone()]);
+                    bar.add(r.len() as u64);
+                }
+                v.push((map, ranges));
+            }
+            maps = v;
+            maps.iter()
+                .flat_map(|(m, r)| r.iter().map(move |(n, r)| (n.clone(), &m[r.clone()])))
+                .collect()
+        }
+    };
+    let seconds = t0.elapsed().as_secs_f64();
+    let cpu_seconds = crate::ceiling::process_cpu_seconds() - cpu0;
+    let peak_rss_bytes = peak_rss_bytes();
+    let page_cache_growth_bytes = page_cache_bytes() as i64 - cache0 as i64;
+    bar.finish();
+    let bytes: u64 = payloads.values().map(|p| p.len() as u64).sum();
+    let record = LoadRecord {
+        method: args.method,
+        model_dir: dir.to_path_buf(),
+        tensors: payloads.len(),
+        bytes,
+        seconds,
+        gbps: bytes as f64 / 1e9 / seconds.max(1e-9),
+        cpu_seconds,
+        cpu_seconds_per_gb: cpu_seconds / (bytes as f64 / 1e9).max(1e-9),
+        peak_rss_bytes,
+        rss_start_bytes: rss0,
+        page_cache_growth_bytes,
+        report,
+        stats,
+    };
+    let sums: Option<BTreeMap<&str, String>> = args.digest.then(|| {
+        payloads
+            .iter()
+            .map(|(n, p)| (n.as_str(), hex(&Sha256::digest(p))))
+            .collect()
+    });
+    if args.json {
+        let mut v = serde_json::to_value(&record)?;
+        if let Some(s) = sums {
+            v["tensors_sha256"] = serde_json::to_value(s)?;
+        }
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else if let Some(s) = sums {
+        let mut out = std::io::stdout().lock();
+        for (n, h) in s {
+            writeln!(out, "{h}  {n}")?;
+        }
+    } else {
+        print_record(&record);
+    }
+    Ok(())
+}
+
+fn print_record(r: &LoadRecord) {
+    let gb = |b: u64| b as f64 / 1e9;
+    println!(
+        "{:?}: {} tensors, {:.3} GB in {:.3} s = {:.2} GB/s; CPU {:.2} s ({:.2} s/GB); peak RSS {:.3} GB ({:.2}x the payload); page cache {:+.3} GB",
+        r.method,
+        r.tensors,
+        gb(r.bytes),
+        r.seconds,
+        r.gbps,
+        r.cpu_seconds,
+        r.cpu_seconds_per_gb,
+        gb(r.peak_rss_bytes),
+        r.peak_rss_bytes as f64 / (r.bytes.max(1)) as f64,
+        r.page_cache_growth_bytes as f64 / 1e9,
+    );
+    if let Some(rep) = &r.report {
+        println!(
+            "  mapping {:.3} s of {:.3} s; {} payloads in place, {} placed (buffered: file offset not aligned as asked); {} bytes mapped",
+            rep.arena_seconds, rep.seconds, rep.in_place, rep.placed, rep.mapped_bytes
+        );
+    }
+}
+
+/// A read-only mapping of `path`.
+fn map_file(path: &Path) -> Result<memmap2::Mmap, String> {
+    let f = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    // SAFETY: the mapping is private to this process and read only; the
+    // shard is not written while the command runs (a file truncated under
+    // it would fault, as it would for any mmap loader this arm stands for).
+    unsafe { memmap2::Mmap::map(&f) }.map_err(|e| format!("{}: mmap: {e}", path.display()))
+}
+
+/// Every selected tensor's byte range in a whole shard's bytes, by the
+/// safetensors crate's parse.
+fn tensor_ranges(bytes: &[u8], path: &Path, selected: &dyn Fn(&str) -> bool) -> Result<Ranges, String> {
+    let (n, meta) = safetensors::SafeTensors::read_metadata(bytes).map_err(|e| format!("{}: {e}", path.display()))?;
+    let start = 8 + n;
+    Ok(meta
+        .tensors()
+        .into_iter()
+        .filter(|(name, _)| selected(name))
+        .map(|(name, info)| (name, start + info.data_offsets.0..start + info.data_offsets.1))
+        .collect())
+}
+
+/// Reads one byte of every page of `b` (so a mapping is faulted in).
+fn touch(b: &[u8]) {
+    let mut sum = 0u8;
+    for i in (0..b.len()).step_by(4096) {
+        sum = sum.wrapping_add(b[i]);
+    }
+    std::hint::black_box(sum);
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// Peak resident set of this process (getrusage ru_maxrss, KiB).
+fn peak_rss_bytes() -> u64 {
+    let mut u = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: getrusage writes one `rusage` into the pointer it is given; the
+    // buffer is a properly sized and aligned `rusage`.
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, u.as_mut_ptr()) };
+    if rc != 0 {
+        return 0;
+    }
+    // SAFETY: getrusage returned 0, so it filled the struct (and it was
+    // zeroed before).
+    let u = unsafe { u.assume_init() };
+    u.ru_maxrss.max(0) as u64 * 1024
+}
+
+/// A field of /proc/self/status or /proc/meminfo in bytes (`kB` values).
+fn proc_kb(path: &str, field: &str) -> u64 {
+    std::fs::read_to_string(path)
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix(field))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+fn current_rss_bytes() -> u64 {
+    proc_kb("/proc/self/status", "VmRSS:")
+}
+
+fn page_cache_bytes() -> u64 {
+    proc_kb("/proc/meminfo", "Cached:")
+}
+
+/// indicatif's bar on a terminal (bytes, rate, time left); nothing
+/// otherwise. Cheap to clone into the load's progress callback.
+#[derive(Clone)]
+struct ProgressBar(Option<indicatif::ProgressBar>);
+
+impl ProgressBar {
+    fn new(show: bool, total: u64) -> Self {
+        ProgressBar(show.then(|| {
+            let b = indicatif::ProgressBar::new(total);
+            b.set_style(
+                indicatif::ProgressStyle::with_template(
+                    "{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",
+                )
+                .expect("a valid template"),
+            );
+            b
+        }))
+    }
+
+    fn set(&self, bytes: u64) {
+        if let Some(b) = &self.0 {
+            b.set_position(bytes);
+        }
+    }
+
+    fn add(&self, bytes: u64) {
+        if let Some(b) = &self.0 {
+            b.inc(bytes);
+        }
+    }
+
+    fn finish(&self) {
+        if let Some(b) = &self.0 {
+            b.finish_and_clear();
+        }
+    }
+}

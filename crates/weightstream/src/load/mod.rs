@@ -1,0 +1,223 @@
+//! Whole-model and streaming loads, on top of the engine.
+//!
+//! - [`Engine::load_all`](crate::Engine::load_all): every tensor (or a
+//!   filtered set) into one mapping, laid out before anything is read
+//!   (`layout`: each payload in place where its file offset allows the
+//!   alignment asked for, else placed at an aligned address), read with
+//!   many tickets in flight on every drive, returned as a [`LoadedModel`]
+//!   of typed views.
+//! - [`Engine::stream`](crate::Engine::stream): tensors yielded as they
+//!   complete ([`TensorStream`], an `Iterator`, and a `futures_core::Stream`
+//!   with the `futures` feature), staged in a bounded packed arena.
+//!
+//! Both wait on many tickets at once through `waitset` (each ticket's
+//! waker records which one completed).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::format::catalog::TensorRef;
+use crate::format::dtype::Dtype;
+
+mod layout;
+mod stream;
+mod waitset;
+mod whole;
+
+pub use stream::TensorStream;
+pub use whole::{LoadReport, LoadedModel, TensorView};
+
+/// The order a whole-model load lays tensors out and reads them in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+#[non_exhaustive]
+pub enum Order {
+    /// By shard, then by file offset: each file is read front to back.
+    #[default]
+    File,
+    /// Largest payload first (ties in file order).
+    Size,
+}
+
+/// Where a whole-model load stands, handed to the progress callback.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
+pub struct LoadProgress {
+    /// Payload bytes landed so far.
+    pub bytes: u64,
+    /// Tensors landed so far.
+    pub tensors: usize,
+    /// Payload bytes of the whole load.
+    pub total_bytes: u64,
+    /// Tensors of the whole load.
+    pub total_tensors: usize,
+    /// Since the load started (mapping included).
+    pub elapsed: Duration,
+}
+
+type Predicate = Arc<dyn Fn(&TensorRef) -> bool + Send + Sync>;
+type ProgressFn = Arc<dyn Fn(&LoadProgress) + Send + Sync>;
+
+/// How [`Engine::load_all`](crate::Engine::load_all) loads: which tensors,
+/// their alignment, the order, the progress callback. `Default` loads every
+/// tensor, each aligned for its dtype, in file order.
+///
+/// ```
+/// use weightstream::{LoadOptions, Order};
+/// let opts = LoadOptions::new()
+///     .names_containing(["layers.0.", "embed"])
+///     .align(64)
+///     .order(Order::File)
+///     .progress(|p| eprintln!("{} of {} bytes", p.bytes, p.total_bytes));
+/// # let _ = opts;
+/// ```
+#[derive(Clone, Default)]
+pub struct LoadOptions {
+    align: usize,
+    order: Order,
+    names: Vec<String>,
+    predicate: Option<Predicate>,
+    progress: Option<ProgressFn>,
+    window: Option<usize>,
+    populate: bool,
+    register: bool,
+}
+
+impl std::fmt::Debug for LoadOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoadOptions")
+            .field("align", &self.align)
+            .field("order", &self.order)
+            .field("names", &self.names)
+            .field("predicate", &self.predicate.is_some())
+            .field("progress", &self.progress.is_some())
+            .field("window", &self.window_bytes())
+            .field("populate", &self.populate)
+            .field("register", &self.register)
+            .finish()
+    }
+}
+
+/// Bytes of payload a whole-model load keeps submitted ahead of what has
+/// landed, by default: far more than every drive's queue holds (32 chunks
+/// of at most 4 MiB), small enough that the adaptive router still routes
+/// the later reads by what it has measured.
+pub const DEFAULT_LOAD_WINDOW: usize = 1 << 30;
+
+/// The largest alignment a load may ask for: the page. A payload lands in
+/// place at `file offset % block` from a page boundary, so an alignment
+/// beyond the page could only ever be met by placing (buffered) reads.
+pub const MAX_LOAD_ALIGN: usize = 4096;
+
+impl LoadOptions {
+    /// Every tensor, each aligned for its dtype, in file order.
+    pub fn new() -> Self {
+        LoadOptions::default()
+    }
+
+    /// Every payload's address a multiple of `align` too (a power of two,
+    /// at most [`MAX_LOAD_ALIGN`]); the dtype's element size still applies
+    /// when larger. A payload whose file offset is not a multiple of it
+    /// is read buffered into an aligned place (the `placed` fallback).
+    pub fn align(mut self, align: usize) -> Self {
+        self.align = align;
+        self
+    }
+
+    /// The order tensors are laid out and read in.
+    pub fn order(mut self, order: Order) -> Self {
+        self.order = order;
+        self
+    }
+
+    /// Only tensors whose name contains one of `parts` (added to any given
+    /// before; with none, every name matches).
+    pub fn names_containing<I, S>(mut self, parts: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.names.extend(parts.into_iter().map(Into::into));
+        self
+    }
+
+    /// Only tensors `keep` accepts (and, if names were given, whose name
+    /// matches one).
+    pub fn filter(mut self, keep: impl Fn(&TensorRef) -> bool + Send + Sync + 'static) -> Self {
+        self.predicate = Some(Arc::new(keep));
+        self
+    }
+
+    /// Called on the caller's thread after each tensor lands (and once at
+    /// the start, with nothing landed).
+    pub fn progress(mut self, report: impl Fn(&LoadProgress) + Send + Sync + 'static) -> Self {
+        self.progress = Some(Arc::new(report));
+        self
+    }
+
+    /// Payload bytes kept submitted ahead of what has landed (at least one
+    /// tensor is always in flight); default [`DEFAULT_LOAD_WINDOW`].
+    pub fn window(mut self, bytes: usize) -> Self {
+        self.window = Some(bytes);
+        self
+    }
+
+    /// Fault the whole mapping in before the first read (default: off; each
+    /// page is faulted by the read that lands in it, overlapped with the
+    /// other reads in flight).
+    pub fn populate(mut self, populate: bool) -> Self {
+        self.populate = populate;
+        self
+    }
+
+    /// Register the mapping with the rings as fixed buffers before reading
+    /// (default: off). Registration pins, and so faults in, every page, one
+    /// ring after another, before the first read: for memory read into
+    /// once it costs more than it saves (see `docs/architecture.md`).
+    pub fn register(mut self, register: bool) -> Self {
+        self.register = register;
+        self
+    }
+
+    /// Whether `tensor` is one this load takes.
+    pub fn selects(&self, tensor: &TensorRef) -> bool {
+        (self.names.is_empty() || self.names.iter().any(|n| tensor.name.contains(n.as_str())))
+            && self.predicate.as_ref().is_none_or(|p| p(tensor))
+    }
+
+    /// The alignment asked for with [`LoadOptions::align`] (0: none).
+    pub fn alignment(&self) -> usize {
+        self.align
+    }
+
+    /// The order of the load.
+    pub fn load_order(&self) -> Order {
+        self.order
+    }
+
+    fn window_bytes(&self) -> usize {
+        self.window.unwrap_or(DEFAULT_LOAD_WINDOW)
+    }
+
+    fn check(&self) -> Result<()> {
+        if self.align != 0 && (!self.align.is_power_of_two() || self.align > MAX_LOAD_ALIGN) {
+            return Err(Error::Config(format!(
+                "load alignment {} must be a power of two of at most {MAX_LOAD_ALIGN}",
+                self.align
+            )));
+        }
+        Ok(())
+    }
+
+    /// The alignment of `dtype`'s payloads in this load.
+    fn align_of(&self, dtype: Dtype) -> usize {
+        element_align(dtype).max(self.align).max(1)
+    }
+}
+
+/// The alignment a dtype's elements need: its size in bytes (1 for
+/// sub-byte dtypes), a power of two for every dtype.
+pub(crate) fn element_align(dtype: Dtype) -> usize {
+    ((dtype.bits() / 8).max(1) as usize).next_power_of_two()
+}

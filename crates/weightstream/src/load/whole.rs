@@ -1,0 +1,342 @@
+//! `Engine::load_all`: a model's tensors (or a filtered set) into one
+//! mapping, each payload aligned, at device speed, as a [`LoadedModel`].
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use crate::engine::{Engine, Loaded, Scratch};
+use crate::error::{Error, Result};
+use crate::format::catalog::TensorRef;
+use crate::format::dtype::Dtype;
+use crate::format::element::Element;
+use crate::load::layout::{self, Item};
+use crate::load::waitset::WaitSet;
+use crate::load::{LoadOptions, LoadProgress, Order};
+use crate::memory::arena::{page_size, PIECE};
+use crate::memory::{Arena, SlotSpec};
+
+/// How a whole-model load went: where the time went, and how each payload
+/// was read.
+#[derive(Debug, Clone, serde::Serialize)]
+#[non_exhaustive]
+pub struct LoadReport {
+    /// Tensors loaded.
+    pub tensors: usize,
+    /// Their payload bytes.
+    pub bytes: u64,
+    /// Bytes of the mapping (payloads, the scratch before in-place
+    /// payloads and the page rounding after them).
+    pub mapped_bytes: usize,
+    /// Payloads read in place (their O_DIRECT window starts on a block).
+    pub in_place: usize,
+    /// Payloads whose file offset is not aligned as asked: read buffered
+    /// into an aligned place (counted as the `placed` fallback).
+    pub placed: usize,
+    /// The whole `load_all`, layout and mapping included.
+    pub seconds: f64,
+    /// Creating the mapping (and populating or registering it when asked).
+    pub arena_seconds: f64,
+    /// The order tensors were laid out and read in.
+    pub order: Order,
+    /// Whether the mapping was faulted in before reading.
+    pub populated: bool,
+    /// Whether the mapping was registered with the rings.
+    pub registered: bool,
+}
+
+impl LoadReport {
+    /// Payload GB (10^9 bytes) per second of the whole load.
+    pub fn gbps(&self) -> f64 {
+        self.bytes as f64 / 1e9 / self.seconds.max(1e-9)
+    }
+}
+
+/// A model's tensors in one mapping, each payload aligned for its dtype (or
+/// as asked), returned by [`Engine::load_all`]. It owns the mapping: the
+/// views borrow from it, and dropping it frees the memory. `Send + Sync`.
+///
+/// ```
+/// use weightstream::{Engine, EngineConfig, LoadOptions, Model, ModelConfig};
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// # let dir = std::env::temp_dir().join(format!("weightstream-doc-load-{}", std::process::id()));
+/// # std::fs::create_dir_all(&dir)?;
+/// // A shard of two tensors: "a" (3 bytes of U8) and "b" (4 F32 values).
+/// let header = br#"{"a":{"dtype":"U8","shape":[3],"data_offsets":[0,3]},"b":{"dtype":"F32","shape":[4],"data_offsets":[3,19]}}"#;
+/// let mut shard = (header.len() as u64).to_le_bytes().to_vec();
+/// shard.extend_from_slice(header);
+/// shard.extend_from_slice(&[1, 2, 3]);
+/// shard.extend([1.5f32, 2.5, 3.5, 4.5].iter().flat_map(|x| x.to_le_bytes()));
+/// std::fs::write(dir.join("model.safetensors"), &shard)?;
+///
+/// let model = Model::open(ModelConfig::new(&dir))?;
+/// let engine = Engine::new(&model, EngineConfig::default())?;
+/// let all = engine.load_all(&LoadOptions::default())?;
+/// assert_eq!(all.len(), 2);
+/// assert_eq!(all.get("a").unwrap().bytes(), &[1, 2, 3]);
+/// // "b" starts 3 bytes after "a" in the file; whatever its file offset,
+/// // its payload is 4-aligned here (in place, or placed by a buffered read).
+/// let b = all.get("b").unwrap();
+/// assert_eq!(b.bytes().as_ptr() as usize % 4, 0);
+/// assert_eq!(b.shape(), &[4]);
+/// assert_eq!(b.as_slice::<f32>()?, &[1.5, 2.5, 3.5, 4.5]);
+/// for t in &all {
+///     println!("{} {} {:?}: {} bytes", t.name(), t.dtype(), t.shape(), t.len());
+/// }
+/// # drop(all); drop(engine);
+/// # std::fs::remove_dir_all(&dir)?;
+/// # Ok(())
+/// # }
+/// ```
+pub struct LoadedModel {
+    /// In layout order.
+    tensors: Vec<Loaded>,
+    /// Name -> index into `tensors`.
+    by_name: HashMap<String, usize>,
+    /// Indices into `tensors` in the catalog's (name) order.
+    in_name_order: Vec<usize>,
+    report: LoadReport,
+}
+
+impl std::fmt::Debug for LoadedModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoadedModel")
+            .field("tensors", &self.tensors.len())
+            .field("report", &self.report)
+            .finish()
+    }
+}
+
+impl LoadedModel {
+    /// The tensor named `name`, if this load took it.
+    pub fn get(&self, name: &str) -> Option<TensorView<'_>> {
+        self.by_name.get(name).map(|&i| TensorView {
+            loaded: &self.tensors[i],
+        })
+    }
+
+    /// Every tensor, in the model's name order.
+    pub fn iter(&self) -> impl ExactSizeIterator<Item = TensorView<'_>> + '_ {
+        self.in_name_order.iter().map(|&i| TensorView {
+            loaded: &self.tensors[i],
+        })
+    }
+
+    /// Number of tensors.
+    pub fn len(&self) -> usize {
+        self.tensors.len()
+    }
+
+    /// Whether no tensor was loaded (a filter that matched none).
+    pub fn is_empty(&self) -> bool {
+        self.tensors.is_empty()
+    }
+
+    /// Payload bytes of every tensor.
+    pub fn total_bytes(&self) -> u64 {
+        self.report.bytes
+    }
+
+    /// How the load went: times, in-place and placed counts, the mapping.
+    pub fn report(&self) -> &LoadReport {
+        &self.report
+    }
+
+    /// The tensors as owned results (each keeps the mapping alive), in the
+    /// model's name order.
+    pub fn into_loaded(self) -> Vec<Loaded> {
+        let mut slots: Vec<Option<Loaded>> = self.tensors.into_iter().map(Some).collect();
+        self.in_name_order.iter().filter_map(|&i| slots[i].take()).collect()
+    }
+}
+
+impl<'a> IntoIterator for &'a LoadedModel {
+    type Item = TensorView<'a>;
+    type IntoIter = Box<dyn ExactSizeIterator<Item = TensorView<'a>> + 'a>;
+    fn into_iter(self) -> Self::IntoIter {
+        Box::new(self.iter())
+    }
+}
+
+/// One tensor of a [`LoadedModel`]: its name, dtype, shape and payload.
+#[derive(Clone, Copy)]
+pub struct TensorView<'a> {
+    loaded: &'a Loaded,
+}
+
+impl std::fmt::Debug for TensorView<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.loaded.fmt(f)
+    }
+}
+
+impl<'a> TensorView<'a> {
+    /// The tensor's name.
+    pub fn name(&self) -> &'a str {
+        self.loaded.name()
+    }
+
+    /// Its dtype.
+    pub fn dtype(&self) -> Dtype {
+        self.loaded.dtype()
+    }
+
+    /// Its shape, in elements.
+    pub fn shape(&self) -> &'a [usize] {
+        self.loaded.shape()
+    }
+
+    /// The payload's bytes.
+    pub fn bytes(&self) -> &'a [u8] {
+        self.loaded.bytes()
+    }
+
+    /// Payload bytes.
+    pub fn len(&self) -> usize {
+        self.loaded.len()
+    }
+
+    /// Whether the payload is empty.
+    pub fn is_empty(&self) -> bool {
+        self.loaded.is_empty()
+    }
+
+    /// The payload as `&[T]`, checked as [`Loaded::as_slice`] (dtype,
+    /// length, alignment). A load aligns every payload for its dtype, so
+    /// the alignment check passes for the dtype's own element type.
+    pub fn as_slice<T: Element>(&self) -> Result<&'a [T]> {
+        self.loaded.as_slice()
+    }
+
+    /// The underlying read result.
+    pub fn loaded(&self) -> &'a Loaded {
+        self.loaded
+    }
+}
+
+impl Engine {
+    /// Loads every tensor of the model (or those `opts` selects) into one
+    /// mapping and returns them by name.
+    ///
+    /// The layout is computed first (see [`LoadOptions`] for the order):
+    /// each tensor whose file offset is a multiple of its alignment (its
+    /// dtype's element size, or [`LoadOptions::align`] when larger) lands
+    /// in place (its O_DIRECT window starts on a page of the mapping, the
+    /// last partial block read O_DIRECT too); any other is read buffered
+    /// straight to an aligned address (counted as the `placed` fallback in
+    /// the stats, and in [`LoadReport::placed`]). The mapping is not
+    /// populated or registered up front (unless asked): each page is
+    /// faulted by the read landing in it while other reads are in flight.
+    ///
+    /// Reads are submitted ahead up to a window of bytes, so every drive
+    /// has its queue full; the submission never blocks. The progress
+    /// callback runs on this thread. On an error the load stops and the
+    /// error (naming the tensor or file) is returned; reads still in flight
+    /// complete into memory that is freed only after they do.
+    pub fn load_all(&self, opts: &LoadOptions) -> Result<LoadedModel> {
+        let t0 = Instant::now();
+        opts.check()?;
+        let model = self.model();
+        let mut chosen: Vec<&TensorRef> = model.catalog().tensors().iter().filter(|t| opts.selects(t)).collect();
+        match opts.order {
+            Order::File => chosen.sort_by_key(|t| (t.shard, t.offset, t.index)),
+            Order::Size => chosen.sort_by(|a, b| b.len.cmp(&a.len).then((a.shard, a.offset).cmp(&(b.shard, b.offset)))),
+        }
+        let block = model.required_align();
+        let unit = page_size().max(block);
+        let items: Vec<Item> = chosen
+            .iter()
+            .map(|t| Item {
+                offset: t.offset,
+                len: t.len,
+                align: opts.align_of(t.dtype),
+            })
+            .collect();
+        let total_bytes: u64 = chosen.iter().map(|t| t.len).sum();
+        let plan = layout::plan(&items, block, unit, PIECE).ok_or_else(|| {
+            Error::Config(format!(
+                "load_all: laying out {} tensors of {total_bytes} bytes overflows the address space",
+                chosen.len()
+            ))
+        })?;
+        let arena = if opts.register {
+            self.packed_arena(plan.bytes, opts.populate)?
+        } else {
+            Arena::packed(plan.bytes, block, opts.populate)?
+        };
+        let arena_seconds = t0.elapsed().as_secs_f64();
+
+        let n = chosen.len();
+        let mut landed: Vec<Option<Loaded>> = (0..n).map(|_| None).collect();
+        let mut set = WaitSet::new();
+        let (mut next, mut ahead, mut done, mut done_bytes) = (0usize, 0u64, 0usize, 0u64);
+        let window = opts.window_bytes() as u64;
+        let report = |done: usize, bytes: u64| {
+            if let Some(p) = &opts.progress {
+                p(&LoadProgress {
+                    bytes,
+                    tensors: done,
+                    total_bytes,
+                    total_tensors: n,
+                    elapsed: t0.elapsed(),
+                });
+            }
+        };
+        report(0, 0);
+        while done < n {
+            while next < n && (set.is_empty() || ahead < window) {
+                let (t, p) = (chosen[next], plan.places[next]);
+                let ticket = if p.in_place {
+                    let spec = SlotSpec::new(t.len as usize).with_align(block).with_tail_room(true);
+                    let slot = arena.take_at(p.at, p.len, spec, false).ok_or_else(|| {
+                        Error::Config(format!(
+                            "load_all: tensor {}: bytes [{}, {}) of the load's mapping are not free (a layout bug)",
+                            t.name,
+                            p.at,
+                            p.at + p.len
+                        ))
+                    })?;
+                    self.read(t, slot)?
+                } else {
+                    self.read_into(t, &arena, p.at, Scratch::None)?
+                };
+                set.add(next, ticket);
+                ahead += t.len;
+                next += 1;
+            }
+            let (i, r) = set.wait().expect("a read is in flight while tensors remain");
+            let loaded = r?;
+            ahead -= chosen[i].len;
+            done += 1;
+            done_bytes += chosen[i].len;
+            landed[i] = Some(loaded);
+            report(done, done_bytes);
+        }
+        let tensors: Vec<Loaded> = landed.into_iter().map(|l| l.expect("every tensor landed")).collect();
+        let by_name = chosen.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
+        let mut in_name_order: Vec<usize> = (0..n).collect();
+        in_name_order.sort_by_key(|&i| chosen[i].index);
+        let placed = plan
+            .places
+            .iter()
+            .zip(&chosen)
+            .filter(|(p, t)| !p.in_place && t.len > 0)
+            .count();
+        Ok(LoadedModel {
+            tensors,
+            by_name,
+            in_name_order,
+            report: LoadReport {
+                tensors: n,
+                bytes: total_bytes,
+                mapped_bytes: plan.bytes,
+                in_place: plan.places.iter().filter(|p| p.in_place).count(),
+                placed,
+                seconds: t0.elapsed().as_secs_f64(),
+                arena_seconds,
+                order: opts.order,
+                populated: opts.populate,
+                registered: opts.register,
+            },
+        })
+    }
+}

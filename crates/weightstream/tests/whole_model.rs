@@ -1,0 +1,414 @@
+//! Whole-model loads (`Engine::load_all`) and streaming loads
+//! (`Engine::stream`): every payload is the reference reader's (the
+//! reference writer's shards have odd sizes and unaligned offsets, so both
+//! the in-place and the placed paths run), aligned as promised, on both
+//! backends; filters, order and progress; the stream's staging budget.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use weightstream::{
+    BackendChoice, Engine, EngineConfig, Error, LoadOptions, LoadProgress, Loaded, Model, ModelConfig, Order, TensorRef,
+};
+use weightstream_synth::{self as synth, SynthSpec};
+
+fn backends() -> Vec<BackendChoice> {
+    if common::uring_available() {
+        vec![BackendChoice::Uring, BackendChoice::Pread]
+    } else {
+        vec![BackendChoice::Pread]
+    }
+}
+
+fn engine(model: &Model, backend: BackendChoice) -> Engine {
+    Engine::new(model, EngineConfig::default().backend(backend)).unwrap()
+}
+
+/// The reference model (or, without Python's reference, a synthetic one)
+/// and name -> sha256 of each payload as the reference reader (or the
+/// one-read-at-a-time sync path) returns it.
+fn reference_model(dir: &std::path::Path) -> (Model, BTreeMap<String, String>) {
+    let sums = common::reference_or_synth(dir);
+    let model = Model::open(ModelConfig::new(dir)).unwrap();
+    let sums = sums.unwrap_or_else(|| {
+        let arena = weightstream::Arena::new(
+            weightstream::SlotSpec::new(model.catalog().tensors().iter().map(|t| t.len).max().unwrap() as usize + 1),
+            1,
+        )
+        .unwrap();
+        model
+            .catalog()
+            .tensors()
+            .iter()
+            .map(|t| {
+                let l = model.read_sync(t, arena.take().unwrap()).unwrap();
+                (t.name.clone(), common::sha256_hex(&l))
+            })
+            .collect()
+    });
+    (model, sums)
+}
+
+fn element_size(t: &TensorRef) -> usize {
+    ((t.dtype.bits() / 8).max(1) as usize).next_power_of_two()
+}
+
+#[test]
+fn load_all_gives_the_reference_bytes_aligned_for_each_dtype_on_every_backend() {
+    let tmp = common::tempdir();
+    let dir = tmp.path().join("m");
+    let (model, sums) = reference_model(&dir);
+    let tensors = model.catalog().tensors();
+    let misaligned = tensors
+        .iter()
+        .filter(|t| t.len > 0 && !(t.offset % 4096).is_multiple_of(element_size(t) as u64))
+        .count();
+    for backend in backends() {
+        for align in [0usize, 64, 4096] {
+            let e = engine(&model, backend);
+            // The drives' counters are the model's: compare deltas.
+            let placed_stat =
+                |e: &Engine| -> u64 { e.stats().drives.iter().filter_map(|d| d.fallbacks.get("placed")).sum() };
+            let placed_before = placed_stat(&e);
+            let all = e.load_all(&LoadOptions::new().align(align)).unwrap();
+            assert_eq!(all.len(), tensors.len());
+            assert_eq!(all.total_bytes(), model.catalog().total_bytes());
+            let names: Vec<&str> = all.iter().map(|t| t.name()).collect();
+            let want: Vec<&str> = tensors.iter().map(|t| t.name.as_str()).collect();
+            assert_eq!(names, want, "iteration is in the model's name order");
+            for t in tensors {
+                let v = all.get(&t.name).unwrap();
+                assert_eq!(
+                    common::sha256_hex(v.bytes()),
+                    sums[&t.name],
+                    "{backend:?} align {align}: {}",
+                    t.name
+                );
+                assert_eq!((v.dtype(), v.shape()), (t.dtype, &t.shape[..]));
+                if t.len > 0 {
+                    let a = element_size(t).max(align);
+                    assert_eq!(
+                        v.bytes().as_ptr() as usize % a,
+                        0,
+                        "{backend:?}: {} not {a}-aligned",
+                        t.name
+                    );
+                }
+            }
+            let r = all.report();
+            let empty = tensors.iter().filter(|t| t.len == 0).count();
+            assert_eq!(r.in_place + r.placed + empty, tensors.len(), "{r:?}");
+            if align == 0 {
+                assert_eq!(
+                    r.placed, misaligned,
+                    "only payloads misaligned for their dtype are placed"
+                );
+            }
+            // Every placed payload is counted as such in the stats, by cause.
+            assert_eq!(
+                placed_stat(&e) - placed_before,
+                r.placed as u64,
+                "{backend:?} align {align}"
+            );
+            assert!(r.mapped_bytes >= r.bytes as usize && r.mapped_bytes.is_multiple_of(4096));
+        }
+    }
+}
+
+#[test]
+fn the_reference_model_exercises_both_the_in_place_and_the_placed_path() {
+    let tmp = common::tempdir();
+    let dir = tmp.path().join("m");
+    if common::reference_digests(&dir).is_none() {
+        return; // SKIP printed by the helper
+    }
+    let model = Model::open(ModelConfig::new(&dir)).unwrap();
+    let r = engine(&model, BackendChoice::Auto)
+        .load_all(&LoadOptions::new().align(64))
+        .unwrap()
+        .report()
+        .clone();
+    assert!(r.in_place > 0 && r.placed > 0, "{r:?}");
+}
+
+#[test]
+fn filters_order_and_progress() {
+    let tmp = common::tempdir();
+    let dir = tmp.path().join("m");
+    let s = SynthSpec {
+        layers: 3,
+        experts: 3,
+        expert_bytes: 200_000,
+        shards: 2,
+        seed: 0x10ad,
+        ..SynthSpec::default()
+    };
+    common::synth_model(&dir, &s);
+    let model = Model::open(ModelConfig::new(&dir)).unwrap();
+    let e = engine(&model, BackendChoice::Auto);
+
+    // Names: substring match, and a predicate on top.
+    let some = e
+        .load_all(&LoadOptions::new().names_containing(["layers.1.", "embed"]))
+        .unwrap();
+    assert!(!some.is_empty());
+    for t in &some {
+        assert!(
+            t.name().contains("layers.1.") || t.name().contains("embed"),
+            "{}",
+            t.name()
+        );
+        assert!(synth::verify(s.seed, t.name(), t.bytes()), "{}", t.name());
+    }
+    let want = model
+        .catalog()
+        .tensors()
+        .iter()
+        .filter(|t| t.name.contains("layers.1.") || t.name.contains("embed"))
+        .count();
+    assert_eq!(some.len(), want);
+    let experts_only = e
+        .load_all(
+            &LoadOptions::new()
+                .names_containing(["layers.1."])
+                .filter(|t| t.name.contains(".experts.")),
+        )
+        .unwrap();
+    assert_eq!(experts_only.len(), 3 * 3, "3 experts x gate, up, down");
+    let none = e.load_all(&LoadOptions::new().names_containing(["no such"])).unwrap();
+    assert!(none.is_empty() && none.total_bytes() == 0);
+
+    // Largest first, with progress on this thread, monotone, ending at the total.
+    let seen: Arc<Mutex<Vec<LoadProgress>>> = Arc::default();
+    let me = std::thread::current().id();
+    let s2 = Arc::clone(&seen);
+    let all = e
+        .load_all(&LoadOptions::new().order(Order::Size).progress(move |p| {
+            assert_eq!(std::thread::current().id(), me, "progress runs on the caller's thread");
+            s2.lock().unwrap().push(*p);
+        }))
+        .unwrap();
+    assert_eq!(all.report().order, Order::Size);
+    for t in &all {
+        assert!(synth::verify(s.seed, t.name(), t.bytes()), "{}", t.name());
+    }
+    let seen = seen.lock().unwrap();
+    assert_eq!(seen.len(), all.len() + 1, "once at the start, then once per tensor");
+    assert_eq!((seen[0].bytes, seen[0].tensors), (0, 0));
+    assert!(seen
+        .windows(2)
+        .all(|w| w[0].bytes <= w[1].bytes && w[0].tensors + 1 == w[1].tensors));
+    let last = seen.last().unwrap();
+    assert_eq!((last.bytes, last.tensors), (last.total_bytes, last.total_tensors));
+    assert_eq!(last.total_bytes, model.catalog().total_bytes());
+
+    // The tensors outlive the LoadedModel as owned results.
+    let owned: Vec<Loaded> = all.into_loaded();
+    assert_eq!(owned.len(), model.catalog().tensors().len());
+    assert!(owned.iter().all(|l| synth::verify(s.seed, l.name(), l)));
+}
+
+#[test]
+fn a_window_of_one_byte_still_loads_everything() {
+    let tmp = common::tempdir();
+    let dir = tmp.path().join("m");
+    let s = common::small_synth_spec();
+    common::synth_model(&dir, &s);
+    let model = Model::open(ModelConfig::new(&dir)).unwrap();
+    for backend in backends() {
+        let all = engine(&model, backend)
+            .load_all(&LoadOptions::new().window(1).populate(true).register(true))
+            .unwrap();
+        assert!(all.report().populated && all.report().registered);
+        for t in &all {
+            assert!(synth::verify(s.seed, t.name(), t.bytes()), "{backend:?} {}", t.name());
+        }
+    }
+}
+
+#[test]
+fn bad_alignments_are_refused() {
+    let tmp = common::tempdir();
+    let dir = tmp.path().join("m");
+    common::synth_model(&dir, &common::small_synth_spec());
+    let model = Model::open(ModelConfig::new(&dir)).unwrap();
+    let e = engine(&model, BackendChoice::Auto);
+    for a in [3usize, 96, 8192] {
+        match e.load_all(&LoadOptions::new().align(a)) {
+            Err(Error::Config(m)) => assert!(m.contains(&a.to_string()), "{m}"),
+            other => panic!("align {a}: {other:?}"),
+        }
+    }
+}
+
+/// Every tensor through a staging budget that holds about two of the
+/// largest: each item is the reference's bytes, and the staging memory in
+/// use never exceeds the budget.
+#[test]
+fn a_stream_yields_every_tensor_within_its_budget_on_every_backend() {
+    let tmp = common::tempdir();
+    let dir = tmp.path().join("m");
+    let (model, sums) = reference_model(&dir);
+    let tensors = model.catalog().tensors();
+    let largest = tensors.iter().map(|t| t.len).max().unwrap() as usize;
+    for backend in backends() {
+        let e = engine(&model, backend);
+        let budget = 2 * (largest + 8192);
+        let mut st = e.stream(tensors, budget).unwrap();
+        assert_eq!(st.remaining(), tensors.len());
+        let mut got = BTreeMap::new();
+        while let Some(item) = st.next() {
+            let l = item.unwrap();
+            assert!(st.free_bytes() <= st.budget());
+            got.insert(l.name().to_string(), common::sha256_hex(&l));
+        }
+        assert_eq!(got, sums, "{backend:?}");
+        assert_eq!(st.free_bytes(), st.budget(), "every slot came back");
+    }
+}
+
+#[test]
+fn a_stream_of_parts_of_tensors_gives_their_bytes() {
+    let tmp = common::tempdir();
+    let dir = tmp.path().join("m");
+    let s = common::small_synth_spec();
+    common::synth_model(&dir, &s);
+    let model = Model::open(ModelConfig::new(&dir)).unwrap();
+    let parts: Vec<TensorRef> = model
+        .catalog()
+        .tensors()
+        .iter()
+        .filter(|t| t.len >= 10_000)
+        .map(|t| t.byte_range(1234..t.len - 777).unwrap())
+        .collect();
+    assert!(!parts.is_empty());
+    for backend in backends() {
+        let e = engine(&model, backend);
+        let mut n = 0;
+        for item in e.stream(&parts, 1 << 20).unwrap() {
+            let l = item.unwrap();
+            let whole = model.tensor(l.name()).unwrap();
+            let mut want = vec![0u8; l.len()];
+            synth::fill(s.seed, l.name(), 1234, &mut want);
+            assert_eq!(l.len() as u64, whole.len - 1234 - 777);
+            assert!(l[..] == want[..], "{backend:?}: {}", l.name());
+            n += 1;
+        }
+        assert_eq!(n, parts.len());
+    }
+}
+
+#[test]
+fn a_stream_whose_items_are_held_says_so_instead_of_waiting_forever() {
+    let tmp = common::tempdir();
+    let dir = tmp.path().join("m");
+    let s = SynthSpec {
+        layers: 1,
+        experts: 4,
+        expert_bytes: 100_000,
+        shards: 1,
+        seed: 7,
+        ..SynthSpec::default()
+    };
+    common::synth_model(&dir, &s);
+    let model = Model::open(ModelConfig::new(&dir)).unwrap();
+    let e = engine(&model, BackendChoice::Auto);
+    let experts: Vec<TensorRef> = model
+        .catalog()
+        .tensors()
+        .iter()
+        .filter(|t| t.name.contains(".experts."))
+        .cloned()
+        .collect();
+    // Room for one expert's slot at a time.
+    let budget = (experts[0].len as usize + 4096).next_multiple_of(4096);
+    let mut st = e.stream(&experts, budget).unwrap();
+    let first = st.next().unwrap().unwrap();
+    match st.next() {
+        Some(Err(Error::Config(m))) => assert!(m.contains("no room") && m.contains(&experts[1].name), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    drop(first);
+    // Dropping the held item frees its room: the stream goes on.
+    let mut n = 1;
+    for item in st.by_ref() {
+        let l = item.unwrap();
+        assert!(synth::verify(s.seed, l.name(), &l));
+        n += 1;
+    }
+    assert_eq!(n, experts.len());
+
+    // A tensor larger than the whole budget is refused up front, by name.
+    match e.stream(&experts, 4096) {
+        Err(Error::Config(m)) => assert!(m.contains(&experts[0].name) && m.contains("budget"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(e.stream(&experts, 0), Err(Error::Config(_))));
+}
+
+/// Dropped with reads in flight (on a drive slow enough that they are): no
+/// hang, and the engine goes on reading correctly afterwards.
+#[test]
+fn a_stream_dropped_with_reads_in_flight_is_safe() {
+    let tmp = common::tempdir();
+    let dir = tmp.path().join("m");
+    let s = SynthSpec {
+        layers: 2,
+        experts: 8,
+        expert_bytes: 1 << 20,
+        shards: 2,
+        seed: 0xd0,
+        ..SynthSpec::default()
+    };
+    common::synth_model(&dir, &s);
+    let model = Model::open(ModelConfig::new(&dir)).unwrap();
+    for backend in backends() {
+        let e = engine(&model, backend);
+        let tensors = model.catalog().tensors();
+        for _ in 0..5 {
+            let mut st = e.stream(tensors, 16 << 20).unwrap();
+            let one = st.next().unwrap().unwrap();
+            assert!(synth::verify(s.seed, one.name(), &one));
+            drop(st); // reads still in flight
+            drop(one);
+        }
+        let all = e.load_all(&LoadOptions::new()).unwrap();
+        assert!(all.iter().all(|t| synth::verify(s.seed, t.name(), t.bytes())));
+    }
+}
+
+#[cfg(feature = "futures")]
+#[test]
+fn a_stream_is_a_futures_stream_on_an_executor() {
+    use std::future::Future;
+    use std::pin::Pin;
+    use std::task::{Context, Poll};
+
+    /// `StreamExt::next` without the futures crate.
+    struct Next<'a, S>(&'a mut S);
+    impl<S: futures_core::Stream + Unpin> Future for Next<'_, S> {
+        type Output = Option<S::Item>;
+        fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+            Pin::new(&mut *self.0).poll_next(cx)
+        }
+    }
+
+    let tmp = common::tempdir();
+    let dir = tmp.path().join("m");
+    let (model, sums) = reference_model(&dir);
+    let e = engine(&model, BackendChoice::Auto);
+    let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    let largest = model.catalog().tensors().iter().map(|t| t.len).max().unwrap() as usize;
+    let got = rt.block_on(async {
+        let mut st = e.stream(model.catalog().tensors(), largest + 8192).unwrap();
+        let mut got = BTreeMap::new();
+        while let Some(item) = Next(&mut st).await {
+            let l = item.unwrap();
+            got.insert(l.name().to_string(), common::sha256_hex(&l));
+        }
+        got
+    });
+    assert_eq!(got, sums);
+}
