@@ -105,4 +105,31 @@ pub mod __internal {
     pub use crate::plan::chunk::{count as chunk_count, on_result as chunk_on_result, split as chunk_split, Chunk};
     pub use crate::plan::window::{Window, WindowError};
     pub use crate::storage::numa::bind_thread_described;
+
+    /// Writes a one-shard model for the documentation's examples: a fresh
+    /// directory under the system temporary directory (named by `tag` and
+    /// the process id) holding `model.safetensors` with `tensors` (name,
+    /// dtype, payload bytes) back to back, byte `i` of each payload being
+    /// `i % 251`. Returns the directory.
+    pub fn doc_model(tag: &str, tensors: &[(&str, crate::Dtype, usize)]) -> std::io::Result<std::path::PathBuf> {
+        let dir = std::env::temp_dir().join(format!("weightstream-doc-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let (mut at, mut entries) = (0usize, serde_json::Map::new());
+        for &(name, dtype, len) in tensors {
+            let elem = (dtype.bits() / 8).max(1) as usize;
+            entries.insert(
+                name.to_string(),
+                serde_json::json!({"dtype": dtype.name(), "shape": [len / elem], "data_offsets": [at, at + len]}),
+            );
+            at += len;
+        }
+        let header = serde_json::Value::Object(entries).to_string();
+        let mut shard = (header.len() as u64).to_le_bytes().to_vec();
+        shard.extend_from_slice(header.as_bytes());
+        for &(_, _, len) in tensors {
+            shard.extend((0..len).map(|i| (i % 251) as u8));
+        }
+        std::fs::write(dir.join("model.safetensors"), &shard)?;
+        Ok(dir)
+    }
 }

@@ -441,7 +441,9 @@ fn wait_timeout_hands_the_ticket_back_while_the_read_is_in_flight() {
         ..SynthSpec::default()
     };
     common::synth_model(&dir, &s);
-    // Written through the page cache: drop it so the read goes to the drive.
+    // Written through the page cache: write it back, then drop it, so the
+    // reads go to the drive.
+    assert!(std::process::Command::new("sync").status().unwrap().success());
     std::fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
     let model = Model::open(ModelConfig::new(&dir)).unwrap();
     for backend in backends() {
@@ -472,5 +474,69 @@ fn wait_timeout_hands_the_ticket_back_while_the_read_is_in_flight() {
             assert!(t0.elapsed() < Duration::from_secs(30), "{backend:?}: never landed");
         };
         assert!(synth::verify(s.seed, &t.name, &loaded), "{backend:?}");
+    }
+}
+
+/// `Arena::release` says when lent memory may be freed: not while another
+/// handle holds it, not while a dropped ticket's read is still in the
+/// kernel (a 2 MB/s drive keeps it there), and at once after.
+#[test]
+fn release_waits_for_a_dropped_tickets_read_before_the_memory_may_be_freed() {
+    let tmp = common::tempdir();
+    let (model, _) = model(&tmp.path().join("m"));
+    let e = engine(&model, BackendChoice::Auto);
+    let mem = Owned::new(1 << 20, GUARD);
+    // SAFETY: `mem` outlives the arena: it is freed at the end of the test,
+    // after `release` returned Ok (nothing of the arena is left then).
+    let arena = unsafe { e.register_memory(mem.ptr, 1 << 20) }.unwrap();
+    let other = arena.clone();
+    let arena = arena.release(Duration::from_millis(5)).expect_err("another handle holds it");
+    drop(other);
+    arena.release(Duration::from_secs(5)).expect("nothing holds it");
+
+    let Some(sim) = common::SimDrives::up(1, "loop", "2") else {
+        return;
+    };
+    let dir = sim.mounts[0].join("m");
+    let s = SynthSpec {
+        layers: 1,
+        experts: 1,
+        expert_bytes: 1 << 20,
+        shards: 1,
+        seed: 0x5e1,
+        ..SynthSpec::default()
+    };
+    common::synth_model(&dir, &s);
+    // Written through the page cache: write it back, then drop it, so the
+    // reads go to the drive.
+    assert!(std::process::Command::new("sync").status().unwrap().success());
+    std::fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
+    let slow = Model::open(ModelConfig::new(&dir)).unwrap();
+    for backend in backends() {
+        let e = engine(&slow, backend);
+        let t = slow
+            .catalog()
+            .tensors()
+            .iter()
+            .find(|t| t.name.contains(".experts."))
+            .unwrap()
+            .clone();
+        let mem = Owned::new(4 << 20, GUARD);
+        // SAFETY: `mem` is freed only after `release` returned Ok.
+        let arena = unsafe { e.register_memory(mem.ptr, 4 << 20) }.unwrap();
+        let ticket = e.read_into(&t, &arena, 0, Scratch::None).unwrap();
+        drop(ticket); // in flight: its read holds the slot
+        let arena = arena
+            .release(Duration::from_millis(20))
+            .expect_err("a 1 MiB read at 2 MB/s is still in flight after 20 ms");
+        let t0 = Instant::now();
+        arena.release(Duration::from_secs(30)).expect("the read completes");
+        assert!(t0.elapsed() < Duration::from_secs(30));
+        // The payload landed (and nothing after it was written) before Ok.
+        let mut want = vec![0u8; t.len as usize];
+        synth::fill(s.seed, &t.name, 0, &mut want);
+        assert!(mem.bytes()[..t.len as usize] == want[..], "{backend:?}");
+        assert!(mem.bytes()[t.len as usize..].iter().all(|&b| b == GUARD), "{backend:?}");
+        drop(mem);
     }
 }

@@ -102,6 +102,39 @@ pub struct DrivePlacement {
 }
 
 /// Reads tensors of one model into slots, concurrently, on every drive.
+///
+/// A mixture-of-experts decode loop: each step reads the experts the
+/// router chose with one `read_batch` into one packed arena, uses them in
+/// place, and drops them (their slots take the next step's reads).
+///
+/// ```
+/// use weightstream::{Dtype, Engine, EngineConfig, Model, ModelConfig};
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// # let names: Vec<String> = (0..8).map(|e| format!("layers.0.experts.{e}.w")).collect();
+/// # let spec: Vec<(&str, Dtype, usize)> = names.iter().map(|n| (n.as_str(), Dtype::BF16, 20_000)).collect();
+/// # let dir = weightstream::__internal::doc_model("decode", &spec)?;
+/// let model = Model::open(ModelConfig::new(&dir))?;
+/// let engine = Engine::new(&model, EngineConfig::default())?;
+/// let arena = engine.packed_arena(1 << 20, true)?;
+/// for step in 0..4 {
+///     // The router's choice for this step: two experts.
+///     let chosen = [step % 8, (step + 3) % 8];
+///     let mut reads = Vec::new();
+///     for e in chosen {
+///         let t = model.tensor(&format!("layers.0.experts.{e}.w"))?;
+///         reads.push((t, arena.take_for(t).expect("room for one step")));
+///     }
+///     for ticket in engine.read_batch(reads)? {
+///         let expert = ticket.wait()?;
+///         assert_eq!(expert.len(), 20_000);
+///         // ... compute with &expert[..] in place ...
+///     } // each expert drops here: its slot is free for the next step
+/// }
+/// # drop(engine);
+/// # std::fs::remove_dir_all(&dir)?;
+/// # Ok(())
+/// # }
+/// ```
 pub struct Engine {
     model: Model,
     io: Arc<Io>,

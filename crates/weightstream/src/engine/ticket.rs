@@ -48,6 +48,33 @@ impl Meta {
 /// every chunk has completed. Dropping it early is safe: the slot returns
 /// to its arena after the last completion is reaped (or, if the drive's I/O
 /// thread stopped with a chunk still in the kernel, never).
+///
+/// A ticket is a `Future`, and `Engine::read` never blocks, so an async
+/// task reads without holding up its executor thread (tokio here; the
+/// library depends on no runtime):
+///
+/// ```
+/// use weightstream::{Dtype, Engine, EngineConfig, Model, ModelConfig};
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// # let dir = weightstream::__internal::doc_model("ticket", &[("a", Dtype::U8, 9000), ("b", Dtype::U8, 7000)])?;
+/// let model = Model::open(ModelConfig::new(&dir))?;
+/// let engine = Engine::new(&model, EngineConfig::default())?;
+/// let arena = engine.packed_arena(1 << 20, false)?;
+/// let rt = tokio::runtime::Builder::new_current_thread().build()?;
+/// let total = rt.block_on(async {
+///     let a = model.tensor("a")?;
+///     let b = model.tensor("b")?;
+///     let ta = engine.read(a, arena.take_for(a).unwrap())?; // returns at once
+///     let tb = engine.read(b, arena.take_for(b).unwrap())?;
+///     Ok::<_, weightstream::Error>(ta.await?.len() + tb.await?.len())
+/// })?;
+/// assert_eq!(total, 16_000);
+/// // Blocking forms: wait(), wait_timeout(d), try_wait(), is_ready().
+/// # drop(engine);
+/// # std::fs::remove_dir_all(&dir)?;
+/// # Ok(())
+/// # }
+/// ```
 #[must_use = "a ticket owns its slot; wait() for the payload"]
 pub struct Ticket {
     /// Dropped in `Drop` (leaked instead in a forked child).
@@ -162,6 +189,26 @@ impl Drop for Ticket {
 /// A payload that has landed in its slot, with what it is: the tensor's
 /// name, dtype and shape ([`Loaded::as_slice`] views it typed). It owns the
 /// slot: dropping it (or [`Loaded::into_slot`]) hands the slot back.
+///
+/// ```
+/// use weightstream::{Dtype, Engine, EngineConfig, Model, ModelConfig};
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// # let dir = weightstream::__internal::doc_model("loaded", &[("w", Dtype::F32, 4096)])?;
+/// let model = Model::open(ModelConfig::new(&dir))?;
+/// let engine = Engine::new(&model, EngineConfig::default())?;
+/// let arena = engine.packed_arena(1 << 20, false)?;
+/// let w = model.tensor("w")?;
+/// let loaded = engine.read(w, arena.take_for(w).unwrap())?.wait()?;
+/// assert_eq!((loaded.name(), loaded.dtype(), loaded.shape()), ("w", Dtype::F32, &[1024][..]));
+/// // Checked: the dtype is F32, the length a multiple of 4, the address 4-aligned.
+/// let values: &[f32] = loaded.as_slice()?;
+/// assert_eq!(values.len(), 1024);
+/// assert!(loaded.as_slice::<u16>().is_err(), "not the tensor's dtype");
+/// # drop(loaded); drop(engine);
+/// # std::fs::remove_dir_all(&dir)?;
+/// # Ok(())
+/// # }
+/// ```
 pub struct Loaded {
     slot: Slot,
     pad: usize,

@@ -251,6 +251,21 @@ fn map(spec: SlotSpec, count: usize, populate: bool) -> Result<(Region, usize)> 
 /// the kernel refuses the advice the arena still works, but is copied on
 /// fork: warned once, and visible in [`Arena::fork_protected`] and
 /// [`dontfork_failures`](crate::dontfork_failures).
+///
+/// ```
+/// use weightstream::Arena;
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// // 8 MiB for slots of any size, 4096-byte O_DIRECT alignment, faulted in now.
+/// let arena = Arena::packed(8 << 20, 4096, true)?;
+/// let small = arena.take_sized(10_000).unwrap();
+/// let large = arena.take_sized(3 << 20).unwrap();
+/// assert!(small.len() >= 10_000 && large.len() >= 3 << 20);
+/// assert_eq!(small.offset() % 4096, 0);
+/// drop(small); // its extent is free again (merged with free neighbours)
+/// assert!(arena.available() >= arena.bytes() - large.len());
+/// # Ok(())
+/// # }
+/// ```
 #[derive(Clone)]
 pub struct Arena {
     map: Arc<Mapping>,
@@ -383,6 +398,32 @@ impl Arena {
     /// Whether the memory is a caller's, lent with `Engine::register_memory`.
     pub fn is_borrowed(&self) -> bool {
         self.map.region.borrowed
+    }
+
+    /// Gives this handle up and waits, up to `timeout`, until nothing else
+    /// holds the arena's memory: no other handle, slot, ticket or `Loaded`
+    /// (a ticket dropped early holds its slot until its last chunk is
+    /// reaped). `Ok` means this crate no longer reaches the memory and the
+    /// kernel no longer writes into it for a read: memory lent with
+    /// `Engine::register_memory` may be freed then. `Err` gives the handle
+    /// back when something still holds the memory at the deadline: a read
+    /// in flight, a slot or `Loaded` the caller keeps, or a read that an
+    /// I/O thread abandoned in the kernel when it died (see the failure
+    /// model): such memory must never be freed.
+    pub fn release(self, timeout: std::time::Duration) -> std::result::Result<(), Arena> {
+        let t0 = std::time::Instant::now();
+        let mut nap = std::time::Duration::from_micros(50);
+        // Only this handle left: nothing can take another reference to the
+        // mapping (a new slot or handle needs one), so dropping it is final.
+        while Arc::strong_count(&self.map) > 1 {
+            if t0.elapsed() >= timeout {
+                return Err(self);
+            }
+            std::thread::sleep(nap.min(timeout.saturating_sub(t0.elapsed())));
+            nap = (nap * 2).min(std::time::Duration::from_millis(10));
+        }
+        drop(self);
+        Ok(())
     }
 
     /// Slots not handed out right now (fixed arenas); free bytes (packed).
