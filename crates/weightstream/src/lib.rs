@@ -12,6 +12,8 @@
 //! plan     -> window, chunks, the direct/buffered decision (pure)
 //! engine   -> submit -> router -> lanes -> backend (ring | pread | sync)
 //!             -> completion -> ticket -> Loaded
+//! place    -> a model written across drives (mirror, split, layers)
+//!             behind a layout index that Model::open reads
 //! ```
 //!
 //! Nothing below imports anything above it (`ci/layers` checks it). See
@@ -67,6 +69,7 @@ mod format;
 pub mod layer_placement;
 mod memory;
 mod model;
+pub mod place;
 mod plan;
 mod stats;
 mod storage;
@@ -80,6 +83,7 @@ pub use format::dtype::Dtype;
 pub use format::element::Element;
 pub use memory::{dontfork_failures, hugepage_refusals, Arena, Slot, SlotSpec};
 pub use model::{CopyReport, FileVerdict, Model, VerifyReport};
+pub use place::{place, LayoutKind, PlaceConfig, PlaceReport};
 pub use stats::{DriveStats, FallbackCause, Feature, Stats};
 pub use storage::files::{Change, Drive, FileIdentity, ShardFile};
 #[cfg(feature = "numa")]
