@@ -6,6 +6,7 @@ pub(crate) mod demo;
 pub(crate) mod digest;
 pub(crate) mod gen;
 pub(crate) mod inspect;
+pub(crate) mod place;
 pub(crate) mod plot;
 pub(crate) mod verify;
 
