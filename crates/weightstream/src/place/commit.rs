@@ -43,10 +43,9 @@ use super::write::{self, RootJobs};
 use super::{FileNote, PlaceConfig, PlaceReport, Progress, RootReport, Step};
 use crate::error::{escape, Error, Result};
 use crate::model::placed::{
-    self as index, FileDigests, IndexExtra, IndexFile, IndexRoot, LayoutIndex, OsName, INDEX_FILE, INDEX_FORMAT,
-    MARKER_FILE, PARKED_FILE,
+    self as index, FileDigests, IndexExtra, IndexFile, IndexRoot, LayoutIndex, Marker, OsName, INDEX_FILE,
+    INDEX_FORMAT, MARKER_FILE, MARKER_FORMAT, PARKED_FILE,
 };
-use crate::model::placed::{Marker, MARKER_FORMAT};
 
 /// A layout found before this run.
 struct Prev {
