@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use weightstream::{DirectMode, IoPoll, RoutePolicy, SubmitMode, Weights};
+use weightstream::{DirectMode, IoPoll, LayoutKind, RoutePolicy, SubmitMode, Weights};
 
 use crate::bench::Arm;
 use crate::ceiling::{Buffers, Submit};
@@ -54,8 +54,10 @@ pub(crate) enum Cmd {
     },
     /// Re-check a model's files: each copy opened, proven and re-read (header), with --digest every tensor
     /// of every copy hashed (mirror copies compared with the primary), with --against compared with an
-    /// earlier `verify --json` record (inode, size, ctime, header, digests). Exit status 0: nothing changed;
-    /// 1: something changed (each file named with what changed); 2: the check could not run.
+    /// earlier `verify --json` record (inode, size, ctime, header, digests). A placed model (`place`) is first
+    /// checked against its layout index (every file present, size, header sha256; with --digest every
+    /// tensor's sha256). Exit status 0: nothing changed; 1: something changed (each file named with what
+    /// changed); 2: the check could not run.
     Verify {
         model_dir: PathBuf,
         /// Hash every tensor of every copy (reads the whole model, buffered, page cache dropped after).
@@ -67,6 +69,28 @@ pub(crate) enum Cmd {
         #[command(flatten)]
         layout: LayoutArgs,
         /// The report as JSON (save it to compare against later).
+        #[arg(long)]
+        json: bool,
+    },
+    /// Place a model across drives: a full copy on each root (mirror), its shards spread over the roots
+    /// (split), or re-sharded into one file per decoder layer, layer i on root i mod N (layers). Each root gets
+    /// a private per-model folder; files are written O_DIRECT under temporary names, then the layout index is
+    /// committed. Re-running is a no-op when every file is proven identical. Open the printed primary folder.
+    Place {
+        src_dir: PathBuf,
+        /// The roots, primary first, `;`-separated: existing directories, one per drive.
+        #[arg(long = "to", value_name = "ROOT[;ROOT...]", value_parser = parse_roots)]
+        to: Roots,
+        /// How the model is laid out over the roots.
+        #[arg(long, value_enum)]
+        layout: LayoutArg,
+        /// Prove files kept from an earlier run by the sha256 of every tensor too (reads them and the source).
+        #[arg(long)]
+        digest: bool,
+        /// Accept a root on the source's drive (it adds no read bandwidth).
+        #[arg(long)]
+        allow_source_volume: bool,
+        /// The report as JSON.
         #[arg(long)]
         json: bool,
     },
@@ -334,6 +358,46 @@ impl From<RouteArg> for RoutePolicy {
             RouteArg::Adaptive => RoutePolicy::Adaptive,
         }
     }
+}
+
+/// `place --layout`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum LayoutArg {
+    /// A full copy of every shard on each root; read as mirrors.
+    Mirror,
+    /// Each shard on one root, bytes balanced, largest first.
+    Split,
+    /// Re-sharded into one file per decoder layer, layer i on root i mod N.
+    Layers,
+}
+
+impl From<LayoutArg> for LayoutKind {
+    fn from(l: LayoutArg) -> Self {
+        match l {
+            LayoutArg::Mirror => LayoutKind::Mirror,
+            LayoutArg::Split => LayoutKind::Split,
+            LayoutArg::Layers => LayoutKind::Layers,
+        }
+    }
+}
+
+/// `place --to`: the roots, primary first.
+#[derive(Debug, Clone)]
+pub(crate) struct Roots(pub(crate) Vec<PathBuf>);
+
+/// `A;B` (or `A,B`, as the directory lists of the library's variables):
+/// entries trimmed, empty ones dropped.
+pub(crate) fn parse_roots(s: &str) -> Result<Roots, String> {
+    let roots: Vec<PathBuf> = s
+        .split([';', ','])
+        .map(str::trim)
+        .filter(|x| !x.is_empty())
+        .map(PathBuf::from)
+        .collect();
+    if roots.is_empty() {
+        return Err("no root given: name at least one directory (ROOT[;ROOT...])".into());
+    }
+    Ok(Roots(roots))
 }
 
 /// `--backend`.

@@ -1,7 +1,7 @@
 //! The `weightstream` command: inspect a model, digest its tensors through
-//! any read path, verify its files, measure the device ceiling, bench the
-//! engine against it, write synthetic models, and a demo that shows the
-//! point in one command.
+//! any read path, verify its files, place it across drives, measure the
+//! device ceiling, bench the engine against it, write synthetic models, and
+//! a demo that shows the point in one command.
 //!
 //! `cli` defines the command line, `config` builds the library's
 //! configurations from it, `commands` runs each command; `ceiling`,
@@ -116,6 +116,14 @@ fn run(cmd: Cmd) -> ExitCode {
             layout,
             json,
         } => commands::digest::digest(model_dir, tensors, direct, &engine, &layout, json),
+        Cmd::Place {
+            src_dir,
+            to,
+            layout,
+            digest,
+            allow_source_volume,
+            json,
+        } => commands::place::place(src_dir, to.0, layout.into(), digest, allow_source_volume, json),
         Cmd::Ceiling {
             paths,
             quick,

@@ -12,6 +12,8 @@
 //! plan     -> window, chunks, the direct/buffered decision (pure)
 //! engine   -> submit -> router -> lanes -> backend (ring | pread | sync)
 //!             -> completion -> ticket -> Loaded
+//! place    -> a model written across drives (mirror, split, layers)
+//!             behind a layout index that Model::open reads
 //! load     -> whole-model loads (LoadedModel) and streams (TensorStream)
 //! ```
 //!
@@ -69,6 +71,7 @@ pub mod layer_placement;
 mod load;
 mod memory;
 mod model;
+pub mod place;
 mod plan;
 mod stats;
 mod storage;
@@ -86,6 +89,7 @@ pub use load::{
 };
 pub use memory::{dontfork_failures, hugepage_refusals, Arena, Slot, SlotSpec};
 pub use model::{CopyReport, FileVerdict, Model, VerifyReport};
+pub use place::{place, LayoutKind, PlaceConfig, PlaceReport};
 pub use stats::{DriveStats, FallbackCause, Feature, Stats};
 pub use storage::files::{Change, Drive, FileIdentity, ShardFile};
 #[cfg(feature = "numa")]

@@ -490,7 +490,9 @@ fn release_waits_for_a_dropped_tickets_read_before_the_memory_may_be_freed() {
     // after `release` returned Ok (nothing of the arena is left then).
     let arena = unsafe { e.register_memory(mem.ptr, 1 << 20) }.unwrap();
     let other = arena.clone();
-    let arena = arena.release(Duration::from_millis(5)).expect_err("another handle holds it");
+    let arena = arena
+        .release(Duration::from_millis(5))
+        .expect_err("another handle holds it");
     drop(other);
     arena.release(Duration::from_secs(5)).expect("nothing holds it");
 

@@ -1,4 +1,4 @@
-//! `weightstream inspect`: shards, tensors, and per file and drive what the kernel and the topology say.
+//! `weightstream inspect`: shards, tensors, a placed model's layout, and per file and drive what the kernel and the topology say.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -62,6 +62,19 @@ pub(crate) fn inspect(dir: PathBuf, layout: &LayoutArgs, numa: Option<OnOff>, js
         })
         .collect();
     let refused: Vec<_> = model.copy_report().iter().filter(|c| !c.accepted).collect();
+    // A placed model: its layout and each file's root.
+    let placed = weightstream::place::Placed::read(&dir)?;
+    let placement = placed.as_ref().map(|p| {
+        let i = &p.index;
+        serde_json::json!({
+            "layout": i.layout,
+            "source": i.source,
+            "source_fingerprint": i.source_fingerprint,
+            "roots": i.roots,
+            "files": i.files,
+            "extras": i.extras,
+        })
+    });
     if json {
         // Serialised first: an error (not a panic in `json!`) if a field
         // cannot be.
@@ -75,6 +88,7 @@ pub(crate) fn inspect(dir: PathBuf, layout: &LayoutArgs, numa: Option<OnOff>, js
             "route": model.route().name(),
             "weights": model.rank_weights(),
             "refused_copies": refused,
+            "placement": placement,
             "numa_provider": provider,
             "drives": drives,
         });
@@ -92,6 +106,37 @@ pub(crate) fn inspect(dir: PathBuf, layout: &LayoutArgs, numa: Option<OnOff>, js
         model.route().name(),
         model.rank_weights()
     )?;
+    if let Some(p) = &placed {
+        let i = &p.index;
+        writeln!(
+            out,
+            "placed: {} layout over {} root(s), from {} (fingerprint {}...)",
+            i.layout,
+            i.roots.len(),
+            i.source,
+            &i.source_fingerprint[..12.min(i.source_fingerprint.len())]
+        )?;
+        for (k, r) in i.roots.iter().enumerate() {
+            let mine: Vec<_> = i.files.iter().filter(|f| f.root == k).collect();
+            writeln!(
+                out,
+                "  root {k} {}: {} file(s), {} bytes{}",
+                r.folder,
+                mine.len(),
+                mine.iter().map(|f| f.size).sum::<u64>(),
+                if k == 0 { " (primary: layout index, extras)" } else { "" }
+            )?;
+            for f in mine {
+                writeln!(
+                    out,
+                    "    {}  {} bytes{}",
+                    f.name,
+                    f.size,
+                    f.layer.map_or(String::new(), |l| format!(", layer {l}"))
+                )?;
+            }
+        }
+    }
     for (i, s) in cat.shards().iter().enumerate() {
         let f = &model.files()[i];
         writeln!(

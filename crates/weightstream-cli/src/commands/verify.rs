@@ -1,4 +1,4 @@
-//! `weightstream verify`: every copy re-checked; exit 0 nothing changed, 1 changed, 2 the check could not run.
+//! `weightstream verify`: a placed model against its layout index, then every copy re-checked; exit 0 nothing changed, 1 changed, 2 the check could not run.
 
 use std::io::Write;
 use std::path::Path;
@@ -25,6 +25,16 @@ pub(crate) fn verify(
         }
         None => None,
     };
+    // A placed model: every file against its layout index first.
+    let placed = weightstream::place::verify(dir, digest)?;
+    if let Some(p) = placed.as_ref().filter(|p| !p.is_clean()) {
+        if json {
+            println!("{}", serde_json::to_string_pretty(&serde_json::json!({ "placed": p }))?);
+        } else {
+            print_placed_verify(p)?;
+        }
+        return Ok(false);
+    }
     let model = Model::open(layout.config(dir, None)?)?;
     let mut report = model.verify(digest)?;
     if let Some(e) = &earlier {
@@ -32,8 +42,17 @@ pub(crate) fn verify(
     }
     let clean = report.is_clean();
     if json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        match &placed {
+            Some(p) => println!(
+                "{}",
+                serde_json::to_string_pretty(&serde_json::json!({ "placed": p, "model": report }))?
+            ),
+            None => println!("{}", serde_json::to_string_pretty(&report)?),
+        }
         return Ok(clean);
+    }
+    if let Some(p) = &placed {
+        print_placed_verify(p)?;
     }
     let mut out = std::io::stdout().lock();
     for f in report.changed() {
@@ -63,4 +82,46 @@ pub(crate) fn verify(
         }
     )?;
     Ok(clean)
+}
+
+/// The placed-model half of `verify`: each file that differs from the
+/// layout index, the orphans, one summary line.
+fn print_placed_verify(p: &weightstream::place::PlacedVerify) -> std::io::Result<()> {
+    let mut out = std::io::stdout().lock();
+    for why in &p.problems {
+        writeln!(out, "PLACEMENT {}: {why}", escape(&p.dir))?;
+    }
+    for f in p.files.iter().filter(|f| !f.problems.is_empty()) {
+        writeln!(out, "DIFFERS {f}")?;
+    }
+    for o in &p.orphans {
+        writeln!(
+            out,
+            "ORPHAN {} ({} bytes): no layout index names it (weightstream never deletes it)",
+            escape(&o.path),
+            o.size
+        )?;
+    }
+    let bad = p.files.iter().filter(|f| !f.problems.is_empty()).count();
+    writeln!(
+        out,
+        "{}: placed model ({}, {} root(s)): {} file(s) checked against the layout index{}: {}",
+        escape(&p.dir),
+        p.layout.map_or("?", |l| l.name()),
+        p.roots,
+        p.files.len(),
+        if p.digest {
+            format!(
+                ", {} tensor digest(s)",
+                p.files.iter().map(|f| f.tensors).sum::<usize>()
+            )
+        } else {
+            String::new()
+        },
+        if p.is_clean() {
+            "as the index says".to_string()
+        } else {
+            format!("{bad} differ")
+        }
+    )
 }

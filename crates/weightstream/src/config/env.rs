@@ -76,6 +76,9 @@ vars! {
     NUMA_DEVICE_MAP = "WEIGHTSTREAM_NUMA_DEVICE_MAP", Library, "vda=nvme0n1,0:27=nvme1n1: this machine's devices as the XML topology's";
     /// The command's log filter.
     LOG = "WEIGHTSTREAM_LOG", Command, "log filter of the command (tracing-subscriber EnvFilter syntax)";
+    /// Tests only: `weightstream place` kills itself (`kill -9`) at a step
+    /// of the commit protocol.
+    PLACE_FAULT = "WEIGHTSTREAM_PLACE_FAULT", Command, "tests only: `place` kills itself (kill -9) at this step of the commit protocol (folders, file:K, parked, renamed:K, renamed, index-written, committed, cleaned)";
     /// Tests: a missing Python reference fails instead of skipping.
     REQUIRE_REFERENCE = "WEIGHTSTREAM_REQUIRE_REFERENCE", Tests, "1: a missing Python reference is a failure, not a skip";
     /// Tests: where the simdrives script is.

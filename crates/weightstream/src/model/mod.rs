@@ -6,6 +6,10 @@
 //! Mirrors add copies: a mirror's file is accepted only if its size and its
 //! whole header (length prefix included) equal the primary's, otherwise it
 //! is refused with the reason and the primary keeps serving that shard.
+//!
+//! A placed model (`weightstream place`) is found through its layout index
+//! (`placed.rs`): the index names the roots and the files; nothing else in
+//! its folders is read.
 
 use std::sync::{Arc, OnceLock};
 
@@ -17,6 +21,7 @@ use crate::stats::{self, DriveStats, Stats};
 use crate::storage::files::{Drive, ShardFile};
 
 mod open;
+pub(crate) mod placed;
 mod roots;
 mod verify;
 

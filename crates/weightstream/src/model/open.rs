@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
+use super::placed::{self, Placed};
 use super::roots::{self, Root, RootRole};
 use super::{Model, ModelInner, Weighting};
 use crate::config::{DirectMode, ModelConfig, Weights, MAX_COPY_RANKS};
@@ -16,7 +17,7 @@ use crate::format::catalog::{self, Catalog, ShardInfo};
 use crate::format::container::{self, ShardHeader};
 use crate::stats::{DriveCounters, FallbackCause};
 use crate::storage::files::{Drive, FileIdentity, ShardFile};
-use crate::storage::open::{list_shards, open_direct_checked, open_regular, OpenRefusal};
+use crate::storage::open::{open_direct_checked, open_regular, OpenRefusal};
 use crate::storage::topology;
 
 /// What became of one candidate copy.
@@ -59,8 +60,11 @@ impl Model {
     /// [`Engine`](crate::Engine) made on the model (the engine owns the
     /// drives' I/O); until then they are equal.
     pub fn open(config: ModelConfig) -> Result<Self> {
+        // A placed model (`weightstream place`): its layout index names the
+        // roots and the files; no environment variable needed.
+        let (config, placed) = placed::for_open(config)?;
         let roots = roots::validate_roots(&config)?;
-        let found = search_path(&roots, &config.primary)?;
+        let found = search_path(&roots, &config.primary, placed.as_ref())?;
         let mirrors: Vec<&Root> = roots.iter().filter(|r| r.role == RootRole::Mirror).collect();
         if mirrors.len() + 1 > MAX_COPY_RANKS {
             return Err(Error::Config(format!(
@@ -104,13 +108,14 @@ impl Model {
 
 /// The search path: the primary, then the split directories in order; the
 /// first directory holding a basename wins (names compared as bytes: they
-/// need not be UTF-8). No shard at all is an error naming the primary.
-fn search_path(roots: &[Root], primary: &Path) -> Result<Vec<Found>> {
+/// need not be UTF-8). No shard at all is an error naming the primary. Of a
+/// placed model, only the files its layout index names are listed.
+fn search_path(roots: &[Root], primary: &Path, placed: Option<&Placed>) -> Result<Vec<Found>> {
     let mut found: Vec<Found> = Vec::new();
     let mut primary_count = 0;
     for (ri, root) in roots.iter().enumerate().filter(|(_, r)| r.role != RootRole::Mirror) {
         let mut added = 0;
-        for (name, listed, path) in list_shards(&root.given)? {
+        for (name, listed, path) in placed::listing(placed, &root.given)? {
             if let Some(prev) = found.iter().find(|f| f.name == name) {
                 tracing::warn!(
                     "{} skipped: {} was already found in {} (the first directory listed wins)",
