@@ -156,6 +156,11 @@ pub(crate) enum Cmd {
         /// Register the mapping with the rings before reading (weightstream only; pins every page first).
         #[arg(long)]
         register: bool,
+        /// A helper thread faulting the mapping in ahead of the reads (weightstream only): auto (when a
+        /// CPU is spare beside the engine's I/O threads), on, or off (each page faulted by the read
+        /// landing in it).
+        #[arg(long, value_enum, default_value = "auto")]
+        fault_ahead: AutoOnOff,
         /// sha256 of every tensor after the load (not timed): printed as `digest` does, or in the JSON.
         #[arg(long)]
         digest: bool,
@@ -319,6 +324,26 @@ pub(crate) enum LoadMethod {
     FsRead,
     /// Mapped and touched, never copied.
     Mmap,
+}
+
+/// A choice the library makes unless told.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum AutoOnOff {
+    /// The library decides.
+    Auto,
+    On,
+    Off,
+}
+
+impl AutoOnOff {
+    /// `None` for auto.
+    pub(crate) fn chosen(self) -> Option<bool> {
+        match self {
+            AutoOnOff::Auto => None,
+            AutoOnOff::On => Some(true),
+            AutoOnOff::Off => Some(false),
+        }
+    }
 }
 
 /// `load --order`.

@@ -66,13 +66,17 @@ fn load_all_gives_the_reference_bytes_aligned_for_each_dtype_on_every_backend() 
         .filter(|t| t.len > 0 && !(t.offset % 4096).is_multiple_of(element_size(t) as u64))
         .count();
     for backend in backends() {
-        for align in [0usize, 64, 4096] {
+        // The fault-ahead helper racing the reads (on) must change no byte.
+        for (align, ahead) in [(0usize, true), (0, false), (64, true), (4096, false)] {
             let e = engine(&model, backend);
             // The drives' counters are the model's: compare deltas.
             let placed_stat =
                 |e: &Engine| -> u64 { e.stats().drives.iter().filter_map(|d| d.fallbacks.get("placed")).sum() };
             let placed_before = placed_stat(&e);
-            let all = e.load_all(&LoadOptions::new().align(align)).unwrap();
+            let all = e
+                .load_all(&LoadOptions::new().align(align).fault_ahead(ahead))
+                .unwrap();
+            assert_eq!(all.report().faulted_ahead, ahead);
             assert_eq!(all.len(), tensors.len());
             assert_eq!(all.total_bytes(), model.catalog().total_bytes());
             let names: Vec<&str> = all.iter().map(|t| t.name()).collect();

@@ -27,6 +27,7 @@ pub(crate) struct LoadArgs {
     pub(crate) order: Order,
     pub(crate) populate: bool,
     pub(crate) register: bool,
+    pub(crate) fault_ahead: Option<bool>,
     pub(crate) digest: bool,
     pub(crate) json: bool,
 }
@@ -105,6 +106,9 @@ pub(crate) fn load(dir: &Path, args: &LoadArgs, engine_args: &EngineArgs, layout
                 .populate(args.populate)
                 .register(args.register)
                 .names_containing(args.names.iter().cloned());
+            if let Some(on) = args.fault_ahead {
+                opts = opts.fault_ahead(on);
+            }
             let b = bar.clone();
             opts = opts.progress(move |p| b.set(p.bytes));
             loaded = engine.load_all(&opts)?;
@@ -223,8 +227,17 @@ fn print_record(r: &LoadRecord) {
     );
     if let Some(rep) = &r.report {
         println!(
-            "  mapping {:.3} s of {:.3} s; {} payloads in place, {} placed (buffered: file offset not aligned as asked); {} bytes mapped",
-            rep.arena_seconds, rep.seconds, rep.in_place, rep.placed, rep.mapped_bytes
+            "  mapping {:.3} s of {:.3} s; faulted in ahead of the reads: {}; {} payloads in place, {} placed (buffered: file offset not aligned as asked); {} bytes mapped",
+            rep.arena_seconds,
+            rep.seconds,
+            if rep.faulted_ahead {
+                format!("in {:.3} s", rep.fault_ahead_seconds)
+            } else {
+                "no".to_string()
+            },
+            rep.in_place,
+            rep.placed,
+            rep.mapped_bytes
         );
     }
 }

@@ -281,6 +281,11 @@ impl Engine {
         reads.into_iter().map(|(t, s)| self.read(t, s)).collect()
     }
 
+    /// The engine's I/O threads (ring threads, or pread workers), all drives.
+    pub(crate) fn io_threads(&self) -> usize {
+        self.drives.iter().map(|d| d.threads.len()).sum()
+    }
+
     /// A snapshot of the counters.
     pub fn stats(&self) -> Stats {
         let mut s = self.model.stats();

@@ -82,6 +82,8 @@ pub struct LoadOptions {
     window: Option<usize>,
     populate: bool,
     register: bool,
+    /// `None`: the default (on).
+    fault_ahead: Option<bool>,
 }
 
 impl std::fmt::Debug for LoadOptions {
@@ -94,6 +96,7 @@ impl std::fmt::Debug for LoadOptions {
             .field("progress", &self.progress.is_some())
             .field("window", &self.window_bytes())
             .field("populate", &self.populate)
+            .field("fault_ahead", &self.fault_ahead)
             .field("register", &self.register)
             .finish()
     }
@@ -169,6 +172,30 @@ impl LoadOptions {
     pub fn populate(mut self, populate: bool) -> Self {
         self.populate = populate;
         self
+    }
+
+    /// Fault the mapping in on a helper thread while the reads run, ahead
+    /// of them in layout order. A page is zero-filled when first touched;
+    /// with the helper that happens beside the reads instead of inside the
+    /// I/O thread's submission of the read landing in it. The helper only
+    /// asks the kernel to allocate pages (`MADV_POPULATE_WRITE`): it writes
+    /// nothing, so it never races a read's bytes. Off: each page is
+    /// faulted by the read that lands in it.
+    ///
+    /// Default (not called): on when the machine has a CPU to spare beside
+    /// the engine's I/O threads, off when they already use every CPU (a
+    /// drive that completes reads inline gets one ring per CPU: the helper
+    /// would only take CPU from them). Never with
+    /// [`LoadOptions::populate`], which faults the mapping in first.
+    pub fn fault_ahead(mut self, on: bool) -> Self {
+        self.fault_ahead = Some(on);
+        self
+    }
+
+    /// Whether a load with `io_threads` I/O threads on `cpus` CPUs faults
+    /// the mapping in ahead of its reads (see [`LoadOptions::fault_ahead`]).
+    pub fn faults_ahead(&self, io_threads: usize, cpus: usize) -> bool {
+        !self.populate && self.fault_ahead.unwrap_or(cpus > io_threads)
     }
 
     /// Register the mapping with the rings as fixed buffers before reading

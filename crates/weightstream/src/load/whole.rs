@@ -2,6 +2,7 @@
 //! mapping, each payload aligned, at device speed, as a [`LoadedModel`].
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use crate::engine::{Engine, Loaded, Scratch};
@@ -42,6 +43,12 @@ pub struct LoadReport {
     pub populated: bool,
     /// Whether the mapping was registered with the rings.
     pub registered: bool,
+    /// Whether a helper thread faulted the mapping in beside the reads
+    /// ([`LoadOptions::fault_ahead`]).
+    pub faulted_ahead: bool,
+    /// How long that helper took to fault in the whole mapping (0 when it
+    /// did not run; it stops early when the load fails).
+    pub fault_ahead_seconds: f64,
 }
 
 impl LoadReport {
@@ -224,8 +231,9 @@ impl Engine {
     /// last partial block read O_DIRECT too); any other is read buffered
     /// straight to an aligned address (counted as the `placed` fallback in
     /// the stats, and in [`LoadReport::placed`]). The mapping is not
-    /// populated or registered up front (unless asked): each page is
-    /// faulted by the read landing in it while other reads are in flight.
+    /// populated or registered up front (unless asked): a helper thread
+    /// faults it in ahead of the reads, beside them
+    /// ([`LoadOptions::fault_ahead`]).
     ///
     /// Reads are submitted ahead up to a window of bytes, so every drive
     /// has its queue full; the submission never blocks. The progress
@@ -267,6 +275,81 @@ impl Engine {
 
         let n = chosen.len();
         let mut landed: Vec<Option<Loaded>> = (0..n).map(|_| None).collect();
+        let stop = AtomicBool::new(false);
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let faults_ahead = opts.faults_ahead(self.io_threads(), cpus);
+        let (read, fault_ahead_seconds) = std::thread::scope(|scope| {
+            let helper = faults_ahead
+                .then(|| {
+                    std::thread::Builder::new()
+                        .name("ws-fault-ahead".into())
+                        .spawn_scoped(scope, || fault_ahead(&arena, plan.bytes, &stop))
+                        .map_err(|e| tracing::debug!("load_all: no fault-ahead thread ({e}); reads fault the pages"))
+                        .ok()
+                })
+                .flatten();
+            // Stops the helper however the reads end (an error, or a panic
+            // in the caller's progress callback unwinding through here).
+            struct Stop<'a>(&'a AtomicBool);
+            impl Drop for Stop<'_> {
+                fn drop(&mut self) {
+                    self.0.store(true, Ordering::Relaxed);
+                }
+            }
+            let guard = Stop(&stop);
+            let read = self.read_all(opts, &chosen, &plan, &arena, &mut landed, total_bytes, t0);
+            drop(guard);
+            let secs = helper.map_or(0.0, |h| h.join().unwrap_or(0.0));
+            (read, secs)
+        });
+        read?;
+        let tensors: Vec<Loaded> = landed.into_iter().map(|l| l.expect("every tensor landed")).collect();
+        let by_name = chosen.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
+        let mut in_name_order: Vec<usize> = (0..n).collect();
+        in_name_order.sort_by_key(|&i| chosen[i].index);
+        let placed = plan
+            .places
+            .iter()
+            .zip(&chosen)
+            .filter(|(p, t)| !p.in_place && t.len > 0)
+            .count();
+        Ok(LoadedModel {
+            tensors,
+            by_name,
+            in_name_order,
+            report: LoadReport {
+                tensors: n,
+                bytes: total_bytes,
+                mapped_bytes: plan.bytes,
+                in_place: plan.places.iter().filter(|p| p.in_place).count(),
+                placed,
+                seconds: t0.elapsed().as_secs_f64(),
+                arena_seconds,
+                order: opts.order,
+                populated: opts.populate,
+                registered: opts.register,
+                faulted_ahead: faults_ahead,
+                fault_ahead_seconds,
+            },
+        })
+    }
+
+    /// The load's reads: submitted in order a window of bytes ahead of what
+    /// has landed, taken as they complete into `landed`, progress reported
+    /// on this thread.
+    #[allow(clippy::too_many_arguments)]
+    fn read_all(
+        &self,
+        opts: &LoadOptions,
+        chosen: &[&TensorRef],
+        plan: &layout::Layout,
+        arena: &Arena,
+        landed: &mut [Option<Loaded>],
+        total_bytes: u64,
+        t0: Instant,
+    ) -> Result<()> {
+        let block = self.model().required_align();
+        let n = chosen.len();
         let mut set = WaitSet::new();
         let (mut next, mut ahead, mut done, mut done_bytes) = (0usize, 0u64, 0usize, 0u64);
         let window = opts.window_bytes() as u64;
@@ -297,7 +380,7 @@ impl Engine {
                     })?;
                     self.read(t, slot)?
                 } else {
-                    self.read_into(t, &arena, p.at, Scratch::None)?
+                    self.read_into(t, arena, p.at, Scratch::None)?
                 };
                 set.add(next, ticket);
                 ahead += t.len;
@@ -311,32 +394,26 @@ impl Engine {
             landed[i] = Some(loaded);
             report(done, done_bytes);
         }
-        let tensors: Vec<Loaded> = landed.into_iter().map(|l| l.expect("every tensor landed")).collect();
-        let by_name = chosen.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
-        let mut in_name_order: Vec<usize> = (0..n).collect();
-        in_name_order.sort_by_key(|&i| chosen[i].index);
-        let placed = plan
-            .places
-            .iter()
-            .zip(&chosen)
-            .filter(|(p, t)| !p.in_place && t.len > 0)
-            .count();
-        Ok(LoadedModel {
-            tensors,
-            by_name,
-            in_name_order,
-            report: LoadReport {
-                tensors: n,
-                bytes: total_bytes,
-                mapped_bytes: plan.bytes,
-                in_place: plan.places.iter().filter(|p| p.in_place).count(),
-                placed,
-                seconds: t0.elapsed().as_secs_f64(),
-                arena_seconds,
-                order: opts.order,
-                populated: opts.populate,
-                registered: opts.register,
-            },
-        })
+        Ok(())
     }
+}
+
+/// Faults `arena`'s first `bytes` in, in order, a piece at a time, until
+/// done or `stop`; returns the seconds it took. The layout places tensors
+/// in the order they are read, so this runs ahead of the reads.
+fn fault_ahead(arena: &Arena, bytes: usize, stop: &AtomicBool) -> f64 {
+    /// Small enough to stop soon, large enough to be one call per 16 huge pages.
+    const STEP: usize = 32 << 20;
+    let t0 = Instant::now();
+    let mut at = 0;
+    while at < bytes && !stop.load(Ordering::Relaxed) {
+        if let Err(e) = arena.populate_range(at, STEP.min(bytes - at)) {
+            // Before Linux 5.14 (EINVAL), or no memory now (the reads will
+            // fault, and fail, themselves): the reads fault their pages.
+            tracing::debug!("load_all: MADV_POPULATE_WRITE refused ({e}); the reads fault their own pages");
+            break;
+        }
+        at += STEP;
+    }
+    t0.elapsed().as_secs_f64()
 }

@@ -395,6 +395,12 @@ impl Arena {
         self.map.region.len
     }
 
+    /// Faults in `offset..offset + len` of the mapping without writing it
+    /// (see `Region::populate_range`): safe while reads land there.
+    pub(crate) fn populate_range(&self, offset: usize, len: usize) -> rustix::io::Result<()> {
+        self.map.region.populate_range(offset, len)
+    }
+
     /// Whether the memory is a caller's, lent with `Engine::register_memory`.
     pub fn is_borrowed(&self) -> bool {
         self.map.region.borrowed

@@ -146,6 +146,39 @@ impl Region {
         Ok(region)
     }
 
+    /// Faults in the pages of `offset..offset + len` (clamped to the
+    /// region) without writing them: `MADV_POPULATE_WRITE` (Linux 5.14)
+    /// allocates what is missing and leaves present pages, and their
+    /// contents, alone, so it may run while reads land in the same range.
+    /// Our own mappings only (a caller's memory is never advised).
+    #[cfg(not(miri))]
+    pub(crate) fn populate_range(&self, offset: usize, len: usize) -> rustix::io::Result<()> {
+        let page = page_size();
+        let start = offset.min(self.len) / page * page;
+        let end = offset.saturating_add(len).min(self.len);
+        if self.borrowed || end <= start {
+            return Ok(());
+        }
+        // SAFETY: `start..end` lies inside the mapping this region owns
+        // (clamped above; `start` page-aligned as madvise requires);
+        // MADV_POPULATE_WRITE only faults pages in (never changes the
+        // contents of one present, nor the mapping), so a read landing in
+        // the range at the same time is unaffected.
+        unsafe {
+            rustix::mm::madvise(
+                self.ptr.as_ptr().add(start).cast(),
+                end - start,
+                rustix::mm::Advice::LinuxPopulateWrite,
+            )
+        }
+    }
+
+    /// Miri has no madvise: nothing to fault in (the memory is the heap's).
+    #[cfg(miri)]
+    pub(crate) fn populate_range(&self, _offset: usize, _len: usize) -> rustix::io::Result<()> {
+        Ok(())
+    }
+
     /// Faults every page in (after any advice or NUMA policy is set, so
     /// each page is allocated under it).
     pub(crate) fn touch(&self) {
