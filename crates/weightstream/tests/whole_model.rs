@@ -73,9 +73,7 @@ fn load_all_gives_the_reference_bytes_aligned_for_each_dtype_on_every_backend() 
             let placed_stat =
                 |e: &Engine| -> u64 { e.stats().drives.iter().filter_map(|d| d.fallbacks.get("placed")).sum() };
             let placed_before = placed_stat(&e);
-            let all = e
-                .load_all(&LoadOptions::new().align(align).fault_ahead(ahead))
-                .unwrap();
+            let all = e.load_all(&LoadOptions::new().align(align).fault_ahead(ahead)).unwrap();
             assert_eq!(all.report().faulted_ahead, ahead);
             assert_eq!(all.len(), tensors.len());
             assert_eq!(all.total_bytes(), model.catalog().total_bytes());

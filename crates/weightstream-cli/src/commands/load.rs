@@ -44,6 +44,11 @@ struct LoadRecord {
     seconds: f64,
     /// Payload GB (10^9 bytes) per second of `seconds`.
     gbps: f64,
+    /// Of `seconds`: `Model::open` (every header read and validated).
+    open_seconds: f64,
+    /// Of `seconds`: `Engine::new` (weightstream only: rings, fixed files,
+    /// the submit probe).
+    engine_seconds: f64,
     /// Process CPU seconds over the timed region (getrusage: io-wq workers
     /// included).
     cpu_seconds: f64,
@@ -76,6 +81,8 @@ pub(crate) fn load(dir: &Path, args: &LoadArgs, engine_args: &EngineArgs, layout
     let cpu0 = crate::ceiling::process_cpu_seconds();
     let t0 = Instant::now();
     let model = Model::open(layout.config(dir, None)?)?;
+    let open_seconds = t0.elapsed().as_secs_f64();
+    let mut engine_seconds = 0.0;
     let selected = |name: &str| args.names.is_empty() || args.names.iter().any(|n| name.contains(n.as_str()));
     let total: u64 = model
         .catalog()
@@ -99,7 +106,9 @@ pub(crate) fn load(dir: &Path, args: &LoadArgs, engine_args: &EngineArgs, layout
             let Some(cfg) = engine_args.config()? else {
                 return Err("load: the sync backend has no engine; use auto, uring or pread".into());
             };
+            let t = Instant::now();
             engine = Engine::new(&model, cfg)?;
+            engine_seconds = t.elapsed().as_secs_f64();
             let mut opts = LoadOptions::new()
                 .align(args.align)
                 .order(args.order)
@@ -179,6 +188,8 @@ pub(crate) fn load(dir: &Path, args: &LoadArgs, engine_args: &EngineArgs, layout
         bytes,
         seconds,
         gbps: bytes as f64 / 1e9 / seconds.max(1e-9),
+        open_seconds,
+        engine_seconds,
         cpu_seconds,
         cpu_seconds_per_gb: cpu_seconds / (bytes as f64 / 1e9).max(1e-9),
         peak_rss_bytes,
