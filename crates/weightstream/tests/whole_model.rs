@@ -414,3 +414,20 @@ fn a_stream_is_a_futures_stream_on_an_executor() {
     });
     assert_eq!(got, sums);
 }
+
+/// The handles a C ABI or another thread takes are Send + Sync (the
+/// stream is Send: one consumer at a time).
+#[test]
+fn load_handles_are_send_and_sync() {
+    fn send_sync<T: Send + Sync>() {}
+    fn send<T: Send>() {}
+    send_sync::<weightstream::LoadedModel>();
+    send_sync::<weightstream::TensorView<'static>>();
+    send_sync::<weightstream::LoadOptions>();
+    send_sync::<weightstream::LoadReport>();
+    send_sync::<weightstream::Arena>();
+    send_sync::<weightstream::Loaded>();
+    send_sync::<Engine>();
+    send::<weightstream::Ticket>();
+    send::<weightstream::TensorStream<'static>>();
+}

@@ -111,7 +111,7 @@ pub struct DrivePlacement {
 /// use weightstream::{Dtype, Engine, EngineConfig, Model, ModelConfig};
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// # let names: Vec<String> = (0..8).map(|e| format!("layers.0.experts.{e}.w")).collect();
-/// # let spec: Vec<(&str, Dtype, usize)> = names.iter().map(|n| (n.as_str(), Dtype::BF16, 20_000)).collect();
+/// # let spec: Vec<(&str, Dtype, usize)> = names.iter().map(|n| (n.as_str(), Dtype::Bf16, 20_000)).collect();
 /// # let dir = weightstream::__internal::doc_model("decode", &spec)?;
 /// let model = Model::open(ModelConfig::new(&dir))?;
 /// let engine = Engine::new(&model, EngineConfig::default())?;

@@ -253,12 +253,12 @@ fn map(spec: SlotSpec, count: usize, populate: bool) -> Result<(Region, usize)> 
 /// [`dontfork_failures`](crate::dontfork_failures).
 ///
 /// ```
-/// use weightstream::Arena;
+/// use weightstream::{Arena, SlotSpec};
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// // 8 MiB for slots of any size, 4096-byte O_DIRECT alignment, faulted in now.
 /// let arena = Arena::packed(8 << 20, 4096, true)?;
-/// let small = arena.take_sized(10_000).unwrap();
-/// let large = arena.take_sized(3 << 20).unwrap();
+/// let small = arena.take_sized(SlotSpec::new(10_000)).unwrap();
+/// let large = arena.take_sized(SlotSpec::new(3 << 20)).unwrap();
 /// assert!(small.len() >= 10_000 && large.len() >= 3 << 20);
 /// assert_eq!(small.offset() % 4096, 0);
 /// drop(small); // its extent is free again (merged with free neighbours)
