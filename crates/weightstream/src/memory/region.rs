@@ -192,7 +192,7 @@ impl Region {
     /// Miri cannot model mmap or madvise: the same geometry from the global
     /// allocator, page-aligned and zeroed like a fresh anonymous mapping.
     #[cfg(miri)]
-    fn new(len: usize, _populate: bool) -> Result<Region> {
+    pub(crate) fn new(len: usize, _populate: bool) -> Result<Region> {
         let layout = std::alloc::Layout::from_size_align(len, page_size())
             .map_err(|e| Error::Config(format!("an arena of {len} bytes: {e}")))?;
         // SAFETY: the layout's size is non-zero (`len` > 0, checked by `map`).
