@@ -428,33 +428,12 @@ fn read_returns_at_once_whatever_the_queue_depth() {
 /// it lands; the ticket can be polled again in between.
 #[test]
 fn wait_timeout_hands_the_ticket_back_while_the_read_is_in_flight() {
-    let Some(sim) = common::SimDrives::up(1, "loop", "2") else {
+    let Some((_sim, model, s, t)) = slow_expert(0x71) else {
         return;
     };
-    let dir = sim.mounts[0].join("m");
-    let s = SynthSpec {
-        layers: 1,
-        experts: 2,
-        expert_bytes: 1 << 20,
-        shards: 1,
-        seed: 0x71,
-        ..SynthSpec::default()
-    };
-    common::synth_model(&dir, &s);
-    // Written through the page cache: write it back, then drop it, so the
-    // reads go to the drive.
-    assert!(std::process::Command::new("sync").status().unwrap().success());
-    std::fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
-    let model = Model::open(ModelConfig::new(&dir)).unwrap();
     for backend in backends() {
+        cold();
         let e = engine(&model, backend);
-        let t = model
-            .catalog()
-            .tensors()
-            .iter()
-            .find(|t| t.name.contains(".experts."))
-            .unwrap()
-            .clone();
         let arena = e.packed_arena(4 << 20, false).unwrap();
         let mut ticket = e.read(&t, arena.take_for(&t).unwrap()).unwrap();
         let t0 = Instant::now();
@@ -496,33 +475,12 @@ fn release_waits_for_a_dropped_tickets_read_before_the_memory_may_be_freed() {
     drop(other);
     arena.release(Duration::from_secs(5)).expect("nothing holds it");
 
-    let Some(sim) = common::SimDrives::up(1, "loop", "2") else {
+    let Some((_sim, slow, s, t)) = slow_expert(0x5e1) else {
         return;
     };
-    let dir = sim.mounts[0].join("m");
-    let s = SynthSpec {
-        layers: 1,
-        experts: 1,
-        expert_bytes: 1 << 20,
-        shards: 1,
-        seed: 0x5e1,
-        ..SynthSpec::default()
-    };
-    common::synth_model(&dir, &s);
-    // Written through the page cache: write it back, then drop it, so the
-    // reads go to the drive.
-    assert!(std::process::Command::new("sync").status().unwrap().success());
-    std::fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
-    let slow = Model::open(ModelConfig::new(&dir)).unwrap();
     for backend in backends() {
+        cold();
         let e = engine(&slow, backend);
-        let t = slow
-            .catalog()
-            .tensors()
-            .iter()
-            .find(|t| t.name.contains(".experts."))
-            .unwrap()
-            .clone();
         let mem = Owned::new(4 << 20, GUARD);
         // SAFETY: `mem` is freed only after `release` returned Ok.
         let arena = unsafe { e.register_memory(mem.ptr, 4 << 20) }.unwrap();
@@ -541,4 +499,36 @@ fn release_waits_for_a_dropped_tickets_read_before_the_memory_may_be_freed() {
         assert!(mem.bytes()[t.len as usize..].iter().all(|&b| b == GUARD), "{backend:?}");
         drop(mem);
     }
+}
+
+/// A model on a drive capped at 2 MB/s (so a 1 MiB expert reads in half a
+/// second) and one of its experts; `None` (SKIP said) without root.
+fn slow_expert(seed: u64) -> Option<(common::SimDrives, Model, SynthSpec, TensorRef)> {
+    let sim = common::SimDrives::up(1, "loop", "2")?;
+    let dir = sim.mounts[0].join("m");
+    let s = SynthSpec {
+        layers: 1,
+        experts: 2,
+        expert_bytes: 1 << 20,
+        shards: 1,
+        seed,
+        ..SynthSpec::default()
+    };
+    common::synth_model(&dir, &s);
+    let model = Model::open(ModelConfig::new(&dir)).unwrap();
+    let t = model
+        .catalog()
+        .tensors()
+        .iter()
+        .find(|t| t.name.contains(".experts."))
+        .unwrap()
+        .clone();
+    Some((sim, model, s, t))
+}
+
+/// Writes the page cache back and drops it, so the next read (a buffered
+/// one too) goes to the drive.
+fn cold() {
+    assert!(std::process::Command::new("sync").status().unwrap().success());
+    std::fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
 }

@@ -44,6 +44,7 @@ use crate::error::{escape, Error, Result};
 use crate::format::container::ShardHeader;
 use crate::memory::{Arena, Slot, SlotSpec};
 use crate::storage::files::drop_pages;
+use crate::storage::files::pread_full;
 use crate::storage::open::{self as catalog, libc_flags};
 
 /// Buffers per root in the composer -> writer pipeline.
@@ -878,20 +879,6 @@ pub(crate) fn write_extra(dir: &SafeDir, source: &Source, out: &Output) -> Resul
             Err(e)
         }
     }
-}
-
-/// Reads until `buf` is full or the file ends; returns the bytes read.
-fn pread_full(file: &File, buf: &mut [u8], off: u64) -> std::io::Result<usize> {
-    let mut done = 0;
-    while done < buf.len() {
-        match file.read_at(&mut buf[done..], off + done as u64) {
-            Ok(0) => break,
-            Ok(k) => done += k,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(done)
 }
 
 #[cfg(test)]

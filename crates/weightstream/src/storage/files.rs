@@ -255,3 +255,18 @@ pub(crate) fn drop_pages(file: &File, off: u64, len: u64) {
     // Advisory: a failure costs only cache, never bytes.
     let _ = rustix::fs::fadvise(file, off, std::num::NonZeroU64::new(len), rustix::fs::Advice::DontNeed);
 }
+
+/// `pread` until `buf` is full or end of file; returns the bytes read.
+/// EINTR is retried; any other error is returned.
+pub(crate) fn pread_full(file: &File, buf: &mut [u8], off: u64) -> std::io::Result<usize> {
+    let mut done = 0;
+    while done < buf.len() {
+        match std::os::unix::fs::FileExt::read_at(file, &mut buf[done..], off + done as u64) {
+            Ok(0) => break,
+            Ok(k) => done += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(done)
+}

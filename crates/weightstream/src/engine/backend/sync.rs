@@ -10,9 +10,6 @@
 //! It is reached as [`Model::read_sync`] (defined here, beside its sibling
 //! backends: the model layer below does no reads of its own).
 
-use std::fs::File;
-use std::os::unix::fs::FileExt;
-
 use crate::config::DirectMode;
 use crate::engine::ticket::{Loaded, Meta};
 use crate::error::{Error, Result};
@@ -21,6 +18,7 @@ use crate::memory::Slot;
 use crate::model::Model;
 use crate::plan::direct::{plan, DirectPlan};
 use crate::stats::{DriveCounters, FallbackCause};
+use crate::storage::files::pread_full;
 use crate::storage::files::{drop_pages, Drive, ShardFile};
 
 impl Model {
@@ -103,19 +101,4 @@ fn read_sync(
     }
     DriveCounters::add(&c.bytes, w.len as u64);
     Ok(Loaded::new(slot, w.pad, w.len, meta))
-}
-
-/// `pread` until `buf` is full or end of file; returns the bytes read.
-/// EINTR is retried; any other error is returned.
-fn pread_full(file: &File, buf: &mut [u8], off: u64) -> std::io::Result<usize> {
-    let mut done = 0;
-    while done < buf.len() {
-        match file.read_at(&mut buf[done..], off + done as u64) {
-            Ok(0) => break,
-            Ok(k) => done += k,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(done)
 }
