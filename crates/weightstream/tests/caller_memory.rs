@@ -33,14 +33,6 @@ fn model(dir: &std::path::Path) -> (Model, SynthSpec) {
     (Model::open(ModelConfig::new(dir)).unwrap(), s)
 }
 
-fn backends() -> Vec<BackendChoice> {
-    if common::uring_available() {
-        vec![BackendChoice::Uring, BackendChoice::Pread]
-    } else {
-        vec![BackendChoice::Pread]
-    }
-}
-
 fn engine(model: &Model, backend: BackendChoice) -> Engine {
     Engine::new(model, EngineConfig::default().backend(backend)).unwrap()
 }
@@ -94,7 +86,7 @@ fn one_packed_arena_holds_every_tensor_of_every_size() {
     let tensors = model.catalog().tensors();
     let sizes: std::collections::BTreeSet<u64> = tensors.iter().map(|t| t.len).collect();
     assert!(sizes.len() >= 4, "the fixture has tensors of several sizes: {sizes:?}");
-    for backend in backends() {
+    for backend in common::engine_backend_choices() {
         let e = engine(&model, backend);
         let need: usize = tensors
             .iter()
@@ -147,7 +139,7 @@ fn read_into_writes_exactly_the_payload_where_asked() {
     let tmp = common::tempdir();
     let (model, s) = model(&tmp.path().join("m"));
     let tensors = model.catalog().tensors();
-    for backend in backends() {
+    for backend in common::engine_backend_choices() {
         let e = engine(&model, backend);
         // Packed tightly, 64-byte aligned, with 4096 guard bytes at each end.
         let mut at = 4096;
@@ -215,7 +207,7 @@ fn read_into_with_scratch_reads_direct_and_stays_within_a_block() {
         .iter()
         .filter(|t| t.name.contains(".experts."))
         .collect();
-    for backend in backends() {
+    for backend in common::engine_backend_choices() {
         let e = engine(&model, backend);
         // Each payload at a block boundary + its file pad, two blocks apart.
         let mut at = 8192;
@@ -269,7 +261,7 @@ fn overlapping_or_misaligned_caller_memory() {
     let tmp = common::tempdir();
     let (model, s) = model(&tmp.path().join("m"));
     let t = model.catalog().tensors().iter().max_by_key(|t| t.len).unwrap().clone();
-    let e = engine(&model, backends()[0]);
+    let e = engine(&model, common::engine_backend_choices()[0]);
     let mem = Owned::new(2 * t.len as usize + 8192, GUARD);
     // SAFETY: as above.
     let arena = unsafe { e.register_memory(mem.ptr, mem.layout.size()) }.unwrap();
@@ -303,17 +295,13 @@ fn parts_of_tensors_match_the_reference_readers_slices() {
     let Some(_) = common::reference_digests(&dir) else {
         return;
     };
-    let out = std::process::Command::new("python3")
-        .arg(common::lib_tests_dir().join("reference/ref_slices.py"))
-        .arg(&dir)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let lines = String::from_utf8(out.stdout).unwrap();
+    let Some(lines) = common::run_reference("ref_slices.py", &[dir.as_os_str()]) else {
+        return;
+    };
     assert!(lines.lines().count() > 10, "{lines}");
     for direct in [DirectMode::Auto, DirectMode::Off] {
         let model = Model::open(ModelConfig::new(&dir).direct(direct)).unwrap();
-        for backend in backends() {
+        for backend in common::engine_backend_choices() {
             let e = engine(&model, backend);
             let arena = e.packed_arena(16 << 20, false).unwrap();
             for line in lines.lines() {
@@ -355,7 +343,7 @@ fn parts_refuse_what_is_not_inside_the_tensor() {
     // A part whose bytes leave the tensor is another model's, not wrong bytes.
     let mut forged = t.clone();
     forged.len += 2;
-    let e = engine(&model, backends()[0]);
+    let e = engine(&model, common::engine_backend_choices()[0]);
     let arena = e.packed_arena(1 << 20, false).unwrap();
     assert!(matches!(
         e.read(&forged, arena.take_for(t).unwrap()),
@@ -368,7 +356,7 @@ fn parts_refuse_what_is_not_inside_the_tensor() {
 fn typed_views_are_checked() {
     let tmp = common::tempdir();
     let (model, s) = model(&tmp.path().join("m"));
-    let e = engine(&model, backends()[0]);
+    let e = engine(&model, common::engine_backend_choices()[0]);
     let arena = e.packed_arena(8 << 20, false).unwrap();
     let t = model.tensor("model.layers.1.mlp.experts.0.up_proj.weight").unwrap();
     let l = e.read(t, arena.take_for(t).unwrap()).unwrap().wait().unwrap();
@@ -392,7 +380,7 @@ fn read_returns_at_once_whatever_the_queue_depth() {
     let tmp = common::tempdir();
     let (model, s) = model(&tmp.path().join("m"));
     let t = model.catalog().tensors().iter().max_by_key(|t| t.len).unwrap();
-    for backend in backends() {
+    for backend in common::engine_backend_choices() {
         let e = Engine::new(
             &model,
             EngineConfig::default()
@@ -431,7 +419,7 @@ fn wait_timeout_hands_the_ticket_back_while_the_read_is_in_flight() {
     let Some((_sim, model, s, t)) = slow_expert(0x71) else {
         return;
     };
-    for backend in backends() {
+    for backend in common::engine_backend_choices() {
         cold();
         let e = engine(&model, backend);
         let arena = e.packed_arena(4 << 20, false).unwrap();
@@ -478,7 +466,7 @@ fn release_waits_for_a_dropped_tickets_read_before_the_memory_may_be_freed() {
     let Some((_sim, slow, s, t)) = slow_expert(0x5e1) else {
         return;
     };
-    for backend in backends() {
+    for backend in common::engine_backend_choices() {
         cold();
         let e = engine(&slow, backend);
         let mem = Owned::new(4 << 20, GUARD);

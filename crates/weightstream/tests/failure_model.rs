@@ -72,14 +72,6 @@ fn config(backend: BackendChoice, depth: usize, chunk: usize) -> EngineConfig {
         .pread_threads(2)
 }
 
-fn backends() -> Vec<BackendChoice> {
-    if common::uring_available() {
-        vec![BackendChoice::Uring, BackendChoice::Pread]
-    } else {
-        vec![BackendChoice::Pread]
-    }
-}
-
 /// Runs `f` on its own thread and fails the test (instead of hanging it)
 /// when it takes longer than `limit`: the defects these tests cover were
 /// hangs and deadlocks.
@@ -146,7 +138,7 @@ fn a_panicking_waker_is_caught_and_the_drive_keeps_serving() {
     let s = write_model(&dir);
     let model = Model::open(ModelConfig::new(&dir)).unwrap();
     let ex = experts(&model);
-    for backend in backends() {
+    for backend in common::engine_backend_choices() {
         let model = model.clone();
         let ex = ex.clone();
         within(Duration::from_secs(60), &format!("{backend:?}"), move || {
@@ -431,7 +423,7 @@ fn arenas_made_and_dropped_around_reads_in_flight_never_deadlock() {
     write_model(&dir);
     let model = Model::open(ModelConfig::new(&dir)).unwrap();
     let ex = experts(&model);
-    for backend in backends() {
+    for backend in common::engine_backend_choices() {
         let (model, ex) = (model.clone(), ex.clone());
         within(Duration::from_secs(60), &format!("{backend:?} arena loop"), move || {
             let engine = Engine::new(&model, config(backend, 4096, 4096)).unwrap();
@@ -598,7 +590,7 @@ fn shutdown_is_bounded_and_every_ticket_completes() {
     let s = write_model(&dir);
     let model = Model::open(ModelConfig::new(&dir)).unwrap();
     let ex = experts(&model);
-    for backend in backends() {
+    for backend in common::engine_backend_choices() {
         let engine = Engine::new(&model, config(backend, 4096, 4096)).unwrap();
         let arena = engine.arena(spec_for(&model, &ex[0]), ex.len()).unwrap();
         let tickets: Vec<_> = ex
@@ -650,7 +642,7 @@ fn shutdown_on_a_slow_drive_returns_on_time_and_leaks_rather_than_frees() {
     write_model(&dir);
     let model = Model::open(ModelConfig::new(&dir)).unwrap();
     let ex = experts(&model);
-    for backend in backends() {
+    for backend in common::engine_backend_choices() {
         let engine = Engine::new(&model, config(backend, 4, 1 << 20)).unwrap();
         let arena = engine.arena(spec_for(&model, &ex[0]), 1).unwrap();
         let ticket = engine.read(&ex[0], arena.take().unwrap()).unwrap();
@@ -702,7 +694,7 @@ fn read_errors_name_the_tensor_and_do_not_say_every_copy_for_one() {
     // Cut the file in the middle of the largest expert.
     let f = std::fs::OpenOptions::new().write(true).open(&shard).unwrap();
     f.set_len(ex[0].offset + ex[0].len / 2).unwrap();
-    for backend in backends() {
+    for backend in common::engine_backend_choices() {
         let engine = Engine::new(&model, config(backend, 16, 1 << 20)).unwrap();
         let arena = engine.arena(spec_for(&model, &ex[0]), 1).unwrap();
         let e = engine

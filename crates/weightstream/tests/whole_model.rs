@@ -14,14 +14,6 @@ use weightstream::{
 };
 use weightstream_synth::{self as synth, SynthSpec};
 
-fn backends() -> Vec<BackendChoice> {
-    if common::uring_available() {
-        vec![BackendChoice::Uring, BackendChoice::Pread]
-    } else {
-        vec![BackendChoice::Pread]
-    }
-}
-
 fn engine(model: &Model, backend: BackendChoice) -> Engine {
     Engine::new(model, EngineConfig::default().backend(backend)).unwrap()
 }
@@ -65,7 +57,7 @@ fn load_all_gives_the_reference_bytes_aligned_for_each_dtype_on_every_backend() 
         .iter()
         .filter(|t| t.len > 0 && !(t.offset % 4096).is_multiple_of(element_size(t) as u64))
         .count();
-    for backend in backends() {
+    for backend in common::engine_backend_choices() {
         // The fault-ahead helper racing the reads (on) must change no byte.
         for (align, ahead) in [(0usize, true), (0, false), (64, true), (4096, false)] {
             let e = engine(&model, backend);
@@ -219,7 +211,7 @@ fn a_window_of_one_byte_still_loads_everything() {
     let s = common::small_synth_spec();
     common::synth_model(&dir, &s);
     let model = Model::open(ModelConfig::new(&dir)).unwrap();
-    for backend in backends() {
+    for backend in common::engine_backend_choices() {
         let all = engine(&model, backend)
             .load_all(&LoadOptions::new().window(1).populate(true).register(true))
             .unwrap();
@@ -255,7 +247,7 @@ fn a_stream_yields_every_tensor_within_its_budget_on_every_backend() {
     let (model, sums) = reference_model(&dir);
     let tensors = model.catalog().tensors();
     let largest = tensors.iter().map(|t| t.len).max().unwrap() as usize;
-    for backend in backends() {
+    for backend in common::engine_backend_choices() {
         let e = engine(&model, backend);
         let budget = 2 * (largest + 8192);
         let mut st = e.stream(tensors, budget).unwrap();
@@ -286,7 +278,7 @@ fn a_stream_of_parts_of_tensors_gives_their_bytes() {
         .map(|t| t.byte_range(1234..t.len - 777).unwrap())
         .collect();
     assert!(!parts.is_empty());
-    for backend in backends() {
+    for backend in common::engine_backend_choices() {
         let e = engine(&model, backend);
         let mut n = 0;
         for item in e.stream(&parts, 1 << 20).unwrap() {
@@ -366,7 +358,7 @@ fn a_stream_dropped_with_reads_in_flight_is_safe() {
     };
     common::synth_model(&dir, &s);
     let model = Model::open(ModelConfig::new(&dir)).unwrap();
-    for backend in backends() {
+    for backend in common::engine_backend_choices() {
         let e = engine(&model, backend);
         let tensors = model.catalog().tensors();
         for _ in 0..5 {

@@ -74,20 +74,9 @@ pub fn layered_spec(seed: u64) -> SynthSpec {
 /// `(name, sha256)` per tensor per file. `None` (SKIP printed) without the
 /// reference, unless `WEIGHTSTREAM_REQUIRE_REFERENCE=1`.
 pub fn ref_read(dirs: &[&Path]) -> Option<Vec<(String, String)>> {
-    let script = common::lib_tests_dir().join("reference/ref_read.py");
-    let out = match Command::new("python3").arg(&script).args(dirs).output() {
-        Ok(o) => o,
-        Err(e) => return unavailable(format!("cannot run python3: {e}")),
-    };
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    match out.status.code() {
-        Some(0) => {}
-        Some(3) => return unavailable(stderr.trim().to_string()),
-        _ => panic!("{} failed ({}):\n{stderr}", script.display(), out.status),
-    }
+    let args: Vec<&std::ffi::OsStr> = dirs.iter().map(|d| d.as_os_str()).collect();
     Some(
-        String::from_utf8(out.stdout)
-            .unwrap()
+        common::run_reference("ref_read.py", &args)?
             .lines()
             .map(|l| {
                 let (h, n) = l.split_once("  ").unwrap();
@@ -95,17 +84,6 @@ pub fn ref_read(dirs: &[&Path]) -> Option<Vec<(String, String)>> {
             })
             .collect(),
     )
-}
-
-fn unavailable<T>(why: String) -> Option<T> {
-    if common::reference_required() {
-        panic!(
-            "{}=1 but the reference is unavailable: {why}",
-            common::REQUIRE_REFERENCE
-        );
-    }
-    eprintln!("SKIP reference reader: {why}");
-    None
 }
 
 /// name -> sha256, checking that every copy of a tensor agrees.

@@ -219,13 +219,13 @@ pub fn reference_required() -> bool {
     std::env::var(REQUIRE_REFERENCE).map(|v| v == "1").unwrap_or(false)
 }
 
-/// Runs `tests/reference/ref_digest.py` into `dir` (the reference writer
-/// makes the shards; the reference reader prints `<sha256>  <name>` lines,
-/// sorted by name). `None`, with a SKIP notice, when python3 or its
-/// `safetensors`/`numpy` modules are missing, unless
-/// `WEIGHTSTREAM_REQUIRE_REFERENCE=1`, where that is a failure.
-pub fn reference_digests(dir: &Path) -> Option<String> {
-    let script = lib_tests_dir().join("reference/ref_digest.py");
+/// Runs the Python reference script `tests/reference/<script>` with
+/// `args` and returns its stdout. `None`, with a SKIP notice, when python3
+/// or its `safetensors`/`numpy` modules are missing (the scripts exit 3),
+/// unless `WEIGHTSTREAM_REQUIRE_REFERENCE=1`, where that is a failure; any
+/// other failure of the script panics with its stderr.
+pub fn run_reference(script: &str, args: &[&std::ffi::OsStr]) -> Option<String> {
+    let script = lib_tests_dir().join("reference").join(script);
     let unavailable = |why: String| {
         if reference_required() {
             panic!("{REQUIRE_REFERENCE}=1 but the reference is unavailable: {why}");
@@ -236,7 +236,7 @@ pub fn reference_digests(dir: &Path) -> Option<String> {
         );
         None
     };
-    let out = match Command::new("python3").arg(&script).arg(dir).output() {
+    let out = match Command::new("python3").arg(&script).args(args).output() {
         Ok(o) => o,
         Err(e) => return unavailable(format!("cannot run python3: {e}")),
     };
@@ -246,7 +246,14 @@ pub fn reference_digests(dir: &Path) -> Option<String> {
         Some(3) => return unavailable(stderr.trim().to_string()),
         _ => panic!("{} failed ({}):\n{stderr}", script.display(), out.status),
     }
-    Some(String::from_utf8(out.stdout).expect("utf-8 digests"))
+    Some(String::from_utf8(out.stdout).expect("utf-8 output"))
+}
+
+/// Runs `tests/reference/ref_digest.py` into `dir` (the reference writer
+/// makes the shards; the reference reader prints `<sha256>  <name>` lines,
+/// sorted by name). `None` as [`run_reference`].
+pub fn reference_digests(dir: &Path) -> Option<String> {
+    run_reference("ref_digest.py", &[dir.as_os_str()])
 }
 
 /// `<hex>  <name>` lines -> name -> hex, checking the format on the way.
@@ -332,6 +339,16 @@ pub fn engine_backends() -> Vec<&'static str> {
     } else {
         eprintln!("note: io_uring is closed to this process; only the pread backend is tested");
         vec!["pread"]
+    }
+}
+
+/// The engine backends to run a test on: io_uring (where this process may
+/// use it) and the pread pool.
+pub fn engine_backend_choices() -> Vec<weightstream::BackendChoice> {
+    if uring_available() {
+        vec![weightstream::BackendChoice::Uring, weightstream::BackendChoice::Pread]
+    } else {
+        vec![weightstream::BackendChoice::Pread]
     }
 }
 
