@@ -520,3 +520,59 @@ fn cold() {
     assert!(std::process::Command::new("sync").status().unwrap().success());
     std::fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
 }
+
+/// `Scratch::None` on a payload that starts a block of its file, at an
+/// aligned address: the whole blocks go O_DIRECT (not the `placed`
+/// fallback), the tail buffered, and not one byte around the payload is
+/// written; at an unaligned address the same payload is placed.
+#[test]
+fn a_payload_on_a_block_reads_direct_into_caller_memory_without_scratch() {
+    let tmp = common::tempdir();
+    let dir = tmp.path().join("m");
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut layout = common::Layout::new(4096);
+    layout.place("on_block", 8192, 10_000).end_at(8192 + 10_000 + 3000);
+    let file = layout.write(&dir.join("model.safetensors"), 0xb10c);
+    if !common::fs_reads_o_direct(&dir) {
+        eprintln!("SKIP: {} cannot open O_DIRECT", dir.display());
+        return;
+    }
+    let model = Model::open(ModelConfig::new(&dir)).unwrap();
+    let t = model.tensor("on_block").unwrap().clone();
+    for backend in common::engine_backend_choices() {
+        let e = engine(&model, backend);
+        let mem = Owned::new(64 << 10, GUARD);
+        // SAFETY: `mem` outlives the arena and every read into it (all
+        // waited for and dropped before `mem`).
+        let arena = unsafe { e.register_memory(mem.ptr, 64 << 10) }.unwrap();
+        let placed = |e: &Engine| -> u64 { e.stats().drives.iter().filter_map(|d| d.fallbacks.get("placed")).sum() };
+        let direct = |e: &Engine| -> u64 { e.stats().reads_direct() };
+        for (at, goes_direct) in [(4096usize, true), (4096 + 64, false)] {
+            let (p0, d0) = (placed(&e), direct(&e));
+            let l = e.read_into(&t, &arena, at, Scratch::None).unwrap().wait().unwrap();
+            assert!(l[..] == file[8192..8192 + 10_000], "{backend:?} at {at}");
+            drop(l);
+            let (dp, dd) = (placed(&e) - p0, direct(&e) - d0);
+            assert_eq!(
+                (dd, dp),
+                if goes_direct { (1, 0) } else { (0, 1) },
+                "{backend:?} at {at}"
+            );
+            let b = mem.bytes();
+            assert!(
+                b[..at].iter().all(|&x| x == GUARD),
+                "{backend:?}: a byte before the payload was written"
+            );
+            assert!(
+                b[at + 10_000..].iter().all(|&x| x == GUARD),
+                "{backend:?}: a byte after the payload was written"
+            );
+            // Back to the guard pattern for the next placement.
+            // SAFETY: no read is in flight (waited), and no slot of the
+            // arena is held: the test owns these bytes again.
+            unsafe { std::ptr::write_bytes(mem.ptr.as_ptr().add(at), GUARD, 10_000) };
+        }
+        arena.release(Duration::from_secs(5)).unwrap();
+        drop(mem);
+    }
+}

@@ -154,3 +154,71 @@ fn ticket_done(engine: &Engine, model: &Model, t: &weightstream::TensorRef, aren
     let _ = model;
     engine.read(t, slot).unwrap().wait().unwrap().len()
 }
+
+/// A stream in a forked child: the next item is `Error::Forked`, then the
+/// stream ends (no wait on I/O threads that are not there), and dropping it
+/// and an item it yielded in the parent neither hangs nor touches a lock
+/// the parent's threads may have held. The parent's stream goes on.
+#[test]
+fn a_stream_in_a_forked_child_ends_after_one_forked_error() {
+    let tmp = common::tempdir();
+    let dir = tmp.path().join("model");
+    let s = SynthSpec {
+        layers: 1,
+        experts: 4,
+        expert_bytes: 4 << 20,
+        shards: 1,
+        seed: 0xf0,
+        ..SynthSpec::default()
+    };
+    common::synth_model(&dir, &s);
+    let model = Model::open(ModelConfig::new(&dir)).unwrap();
+    // Small chunks keep reads in flight across the fork.
+    let engine = Engine::new(&model, EngineConfig::default().queue_depth(4).chunk(Some(4096))).unwrap();
+    let mut st = engine.stream(model.catalog().tensors(), 64 << 20).unwrap();
+    let held = st.next().unwrap().unwrap();
+    // SAFETY: the child runs only this crate's refusing paths and `_exit`s.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+    if pid == 0 {
+        let code = match st.next() {
+            Some(Err(Error::Forked { .. })) => match st.next() {
+                None => OK,
+                Some(_) => 21,
+            },
+            _ => 20,
+        };
+        drop(held);
+        drop(st);
+        // SAFETY: ends the child at once, running no exit handlers.
+        unsafe { libc::_exit(code) };
+    }
+    let mut status = 0;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        // SAFETY: waits for our own child; `status` is a valid out-pointer.
+        let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+        if r == pid {
+            break;
+        }
+        if Instant::now() > deadline {
+            // SAFETY: kills our own child.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            panic!("the child hung in a stream");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(
+        libc::WIFEXITED(status),
+        "the child died abnormally (status {status:#x})"
+    );
+    assert_eq!(libc::WEXITSTATUS(status), OK, "child check failed");
+    assert!(weightstream_synth::verify(s.seed, held.name(), &held));
+    let mut n = 1;
+    for item in st {
+        let l = item.unwrap();
+        assert!(weightstream_synth::verify(s.seed, l.name(), &l), "{}", l.name());
+        n += 1;
+    }
+    assert_eq!(n, model.catalog().tensors().len());
+}

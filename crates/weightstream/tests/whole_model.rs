@@ -324,15 +324,33 @@ fn a_stream_whose_items_are_held_says_so_instead_of_waiting_forever() {
         Some(Err(Error::Config(m))) => assert!(m.contains("no room") && m.contains(&experts[1].name), "{m}"),
         other => panic!("{other:?}"),
     }
+    // That tensor left the stream with its error: an item per tensor, so
+    // even a caller that keeps every item sees the stream end.
+    assert_eq!(st.remaining(), experts.len() - 2);
     drop(first);
     // Dropping the held item frees its room: the stream goes on.
-    let mut n = 1;
+    let mut n = 2;
     for item in st.by_ref() {
         let l = item.unwrap();
         assert!(synth::verify(s.seed, l.name(), &l));
         n += 1;
     }
     assert_eq!(n, experts.len());
+    // The refused tensor streams again once there is room.
+    let again: Vec<Loaded> = e.stream(&experts[1..2], budget).unwrap().map(Result::unwrap).collect();
+    assert!(again.len() == 1 && synth::verify(s.seed, again[0].name(), &again[0]));
+
+    // A caller that keeps everything (collecting) still gets an end: one
+    // item per tensor, payloads or errors.
+    let all: Vec<weightstream::Result<Loaded>> = e.stream(&experts, budget).unwrap().collect();
+    assert_eq!(all.len(), experts.len());
+    assert!(all[0].is_ok() && all[1..].iter().all(|r| r.is_err()));
+    drop(all);
+
+    // A hand-edited reference is refused before any arithmetic on it.
+    let mut huge = experts[0].clone();
+    huge.len = u64::MAX;
+    assert!(e.stream([&huge], budget).is_err());
 
     // A tensor larger than the whole budget is refused up front, by name.
     match e.stream(&experts, 4096) {

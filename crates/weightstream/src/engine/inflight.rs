@@ -200,15 +200,29 @@ impl<S> Request<S> {
 
     /// Future-style: the result, or registers `waker`.
     pub(crate) fn poll(&self, waker: &Waker) -> Poll<Outcome<S>> {
-        let mut st = lock(&self.state);
-        if st.done {
-            return Poll::Ready(Self::take(&mut st));
+        // The caller's waker is cloned, and the one it replaces dropped,
+        // outside the lock an I/O thread takes to complete the request:
+        // the caller's code never runs under it.
+        let mut fresh = None;
+        loop {
+            let mut st = lock(&self.state);
+            if st.done {
+                return Poll::Ready(Self::take(&mut st));
+            }
+            match (&st.waker, fresh.take()) {
+                (Some(w), _) if w.will_wake(waker) => return Poll::Pending,
+                (_, Some(w)) => {
+                    let old = st.waker.replace(w);
+                    drop(st);
+                    drop(old);
+                    return Poll::Pending;
+                }
+                (_, None) => {
+                    drop(st);
+                    fresh = Some(waker.clone());
+                }
+            }
         }
-        match &st.waker {
-            Some(w) if w.will_wake(waker) => {}
-            _ => st.waker = Some(waker.clone()),
-        }
-        Poll::Pending
     }
 }
 

@@ -16,9 +16,9 @@ use crate::memory::{Arena, SlotSpec};
 /// What [`Engine::read_into`] may write besides the payload.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Scratch {
-    /// Nothing: exactly the payload's bytes are written. The bulk goes
-    /// O_DIRECT only when the payload starts on an O_DIRECT block of its
-    /// file (its file offset and its address both aligned); otherwise the
+    /// Nothing: exactly the payload's bytes are written. When the payload
+    /// starts an O_DIRECT block of its file and its address is aligned too,
+    /// its whole blocks go O_DIRECT and the tail buffered; otherwise the
     /// read goes buffered straight into place (counted as the `placed`
     /// fallback).
     #[default]
@@ -92,7 +92,16 @@ impl Engine {
             .then(|| memory.take_at(at - pad, pad + len, spec, false))
             .flatten()
             .filter(|s| (s.base() as usize).is_multiple_of(align));
-        let slot = match with_scratch {
+        // No scratch needed: the payload starts a block of its file and
+        // lands on an aligned address, so the whole blocks go O_DIRECT and
+        // only the tail is read buffered, nothing written after it.
+        let on_block = || {
+            (pad == 0 && len > 0)
+                .then(|| memory.take_at(at, len, spec, false))
+                .flatten()
+                .filter(|s| (s.base() as usize).is_multiple_of(align))
+        };
+        let slot = match with_scratch.or_else(on_block) {
             Some(s) => s,
             None => memory.take_at(at, len, spec, true).ok_or_else(|| {
                 Error::Config(format!(

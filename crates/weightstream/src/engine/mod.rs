@@ -281,6 +281,12 @@ impl Engine {
         reads.into_iter().map(|(t, s)| self.read(t, s)).collect()
     }
 
+    /// `Error::Forked` in a forked child (the engine's threads are not
+    /// there), else Ok.
+    pub(crate) fn check_origin(&self) -> Result<()> {
+        self.origin.check()
+    }
+
     /// The engine's I/O threads (ring threads, or pread workers), all drives.
     pub(crate) fn io_threads(&self) -> usize {
         self.drives.iter().map(|d| d.threads.len()).sum()

@@ -66,7 +66,7 @@ pub(crate) fn plan(items: &[Item], block: usize, unit: usize, piece: usize) -> O
         let place = if len > 0 && pad.is_multiple_of(it.align) {
             let slot = round_up(pad.checked_add(len)?, unit)?;
             let mut at = round_up(cursor, unit)?;
-            if slot <= piece && at / piece != (at + slot - 1) / piece {
+            if slot <= piece && at / piece != at.checked_add(slot - 1)? / piece {
                 at = (at / piece + 1).checked_mul(piece)?;
             }
             Place {

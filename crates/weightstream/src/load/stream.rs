@@ -24,8 +24,11 @@ use crate::memory::Arena;
 /// staging memory is freed only after the last one is reaped.
 ///
 /// When nothing is in flight and the next tensor does not fit because the
-/// items already yielded hold the budget, the next item is an error saying
-/// so (the tensor stays queued: drop some items and ask again).
+/// items already yielded hold the budget, the next item is an error naming
+/// that tensor, which is taken off the stream (stream it again once items
+/// are dropped): every tensor is yielded exactly once, as its payload or
+/// as an error, so the stream always ends. In a forked child the next item
+/// is [`Error::Forked`] and the stream ends.
 ///
 /// ```
 /// use weightstream::{Engine, EngineConfig, Model, ModelConfig};
@@ -97,10 +100,19 @@ impl Engine {
         let room = round_up(budget, page)
             .filter(|&r| r > 0 && r <= isize::MAX as usize)
             .ok_or_else(|| Error::Config(format!("stream: a budget of {budget} bytes (must be 1 to isize::MAX)")))?;
+        self.check_origin()?;
         let queue: VecDeque<TensorRef> = tensors.into_iter().map(|t| t.borrow().clone()).collect();
         for t in &queue {
+            // Refused before any arithmetic on its fields: a reference of
+            // another model (or one edited by hand) names another file.
+            self.model().file_of(t)?;
             let pad = t.offset % block as u64;
-            let need = (t.len.max(1) + pad).div_ceil(page as u64) * page as u64;
+            let need = t
+                .len
+                .max(1)
+                .checked_add(pad)
+                .and_then(|n| n.checked_next_multiple_of(page as u64))
+                .unwrap_or(u64::MAX);
             if need > room as u64 {
                 return Err(Error::Config(format!(
                     "stream: tensor {} needs {need} bytes of staging ({} payload bytes, {pad} before it, page-rounded), more than the budget of {budget} bytes",
@@ -152,9 +164,10 @@ impl TensorStream<'_> {
     }
 
     /// Nothing in flight, and the front tensor has no room: the items the
-    /// caller holds fill the budget.
-    fn starved(&self) -> Option<Error> {
-        let t = self.queue.front()?;
+    /// caller holds fill the budget. The tensor leaves the stream with the
+    /// error (yielded once, as every tensor is).
+    fn starved(&mut self) -> Option<Error> {
+        let t = self.queue.pop_front()?;
         Some(Error::Config(format!(
             "stream: no room for tensor {} ({} bytes) in the {}-byte staging budget: {} bytes are held by tensors already yielded and not dropped; drop some (or raise the budget) and ask again",
             t.name,
@@ -163,12 +176,28 @@ impl TensorStream<'_> {
             self.budget - self.arena.available()
         )))
     }
+
+    /// In a forked child: everything queued or in flight is given up (the
+    /// tickets and slots are leaked, as in any child), and the stream ends
+    /// after this error.
+    fn forked(&mut self) -> Option<Error> {
+        if self.queue.is_empty() && self.set.is_empty() {
+            return None; // nothing left (or already given up): the end
+        }
+        let e = self.engine.check_origin().err()?;
+        self.queue.clear();
+        self.set = WaitSet::new();
+        Some(e)
+    }
 }
 
 impl Iterator for TensorStream<'_> {
     type Item = Result<Loaded>;
 
     fn next(&mut self) -> Option<Result<Loaded>> {
+        if let Some(e) = self.forked() {
+            return Some(Err(e));
+        }
         if let Err(e) = self.fill() {
             return Some(Err(e));
         }
@@ -193,6 +222,9 @@ impl futures_core::Stream for TensorStream<'_> {
     ) -> std::task::Poll<Option<Result<Loaded>>> {
         use std::task::Poll;
         let this = self.get_mut();
+        if let Some(e) = this.forked() {
+            return Poll::Ready(Some(Err(e)));
+        }
         if let Err(e) = this.fill() {
             return Poll::Ready(Some(Err(e)));
         }

@@ -152,14 +152,21 @@ impl WaitSet {
             if self.in_flight == 0 {
                 return Poll::Ready(None);
             }
-            let keys = {
+            // Cloned (and the waker it replaces dropped) outside the lock
+            // the I/O threads' wakers take: no caller code under it.
+            let fresh = cx.waker().clone();
+            let (keys, old) = {
                 let mut r = lock(&self.shared.ready);
                 if r.keys.is_empty() {
-                    r.outer = Some(cx.waker().clone());
-                    return Poll::Pending;
+                    (Vec::new(), r.outer.replace(fresh))
+                } else {
+                    (std::mem::take(&mut r.keys), None)
                 }
-                std::mem::take(&mut r.keys)
             };
+            drop(old);
+            if keys.is_empty() {
+                return Poll::Pending;
+            }
             self.collect(keys);
         }
     }

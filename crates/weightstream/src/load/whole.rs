@@ -259,7 +259,10 @@ impl Engine {
                 align: opts.align_of(t.dtype),
             })
             .collect();
-        let total_bytes: u64 = chosen.iter().map(|t| t.len).sum();
+        let total_bytes = chosen
+            .iter()
+            .try_fold(0u64, |sum, t| sum.checked_add(t.len))
+            .ok_or_else(|| Error::Config("load_all: the tensors' bytes overflow u64".into()))?;
         let plan = layout::plan(&items, block, unit, PIECE).ok_or_else(|| {
             Error::Config(format!(
                 "load_all: laying out {} tensors of {total_bytes} bytes overflows the address space",

@@ -521,8 +521,8 @@ impl Arena {
         }
     }
 
-    /// A slot of a packed arena at exactly `[offset, offset + len)` (`len`
-    /// rounded up to the page; `offset` on a page), if that range is free.
+    /// A slot of a packed arena at exactly `[offset, offset + len)` (any
+    /// offset and length: nothing is rounded), if that whole range is free.
     /// `exact` makes the payload land at the slot's first byte (no scratch
     /// before it: such a read goes buffered, counted); otherwise it lands
     /// `file offset % spec.align` bytes in, as in every other slot.
@@ -832,6 +832,12 @@ impl Slot {
 
 impl Drop for Slot {
     fn drop(&mut self) {
+        if self.map.origin.forked() {
+            // A child: a parent thread may have held the free list's lock
+            // at fork time (and the memory may not be mapped here). Touch
+            // nothing; the child's copy of the slot is leaked.
+            return;
+        }
         match &self.map.carve {
             Carve::Fixed { slot_len, free, .. } => lock(free).push(self.offset / slot_len),
             Carve::Packed { extents, .. } => {
