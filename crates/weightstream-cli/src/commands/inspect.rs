@@ -10,23 +10,95 @@ use crate::commands::CliResult;
 
 pub(crate) fn inspect(dir: PathBuf, layout: &LayoutArgs, numa: Option<OnOff>, json: bool) -> CliResult {
     let model = Model::open(layout.config(&dir, None)?)?;
-    // A short-lived engine places the drives exactly as a reading engine
-    // would (its ring threads bind themselves), and reports it.
+    let engine = placing_engine(&model, numa)?;
+    let drive_stats = engine
+        .as_ref()
+        .map_or_else(|| model.stats().drives, |e| e.stats().drives);
+    let provider = engine.as_ref().map(|e| e.numa_provider().name());
+    let refused: Vec<_> = model.copy_report().iter().filter(|c| !c.accepted).collect();
+    // A placed model: its layout and each file's root.
+    let placed = weightstream::place::Placed::read(&dir)?;
+    if json {
+        let cat = model.catalog();
+        let placement = placed.as_ref().map(|p| {
+            let i = &p.index;
+            serde_json::json!({
+                "layout": i.layout,
+                "source": i.source,
+                "source_fingerprint": i.source_fingerprint,
+                "roots": i.roots,
+                "files": i.files,
+                "extras": i.extras,
+            })
+        });
+        // Serialised first: an error (not a panic in `json!`) if a field
+        // cannot be.
+        let refused = serde_json::to_value(&refused)?;
+        let drives = serde_json::to_value(&drive_stats)?;
+        let v = serde_json::json!({
+            "dir": escape(cat.dir()),
+            "shards": shards_json(&model),
+            "tensors": cat.tensors().len(),
+            "bytes": cat.total_bytes(),
+            "route": model.route().name(),
+            "weights": model.rank_weights(),
+            "refused_copies": refused,
+            "placement": placement,
+            "numa_provider": provider,
+            "drives": drives,
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    let mut out = std::io::stdout().lock();
+    let cat = model.catalog();
+    writeln!(
+        out,
+        "model {}: {} shard(s), {} tensor(s), {} bytes; route {}, weights per copy rank {:?}",
+        escape(cat.dir()),
+        cat.shards().len(),
+        cat.tensors().len(),
+        cat.total_bytes(),
+        model.route().name(),
+        model.rank_weights()
+    )?;
+    if let Some(p) = &placed {
+        print_placement(&mut out, &p.index)?;
+    }
+    print_shards(&mut out, &model)?;
+    for c in &refused {
+        writeln!(
+            out,
+            "  refused copy {} ({}): {}",
+            escape(&c.path),
+            escape(&c.shard),
+            c.reason.as_deref().unwrap_or("?")
+        )?;
+    }
+    print_drives(&mut out, &model, &drive_stats, provider.as_deref())?;
+    Ok(())
+}
+
+/// A short-lived engine places the drives exactly as a reading engine
+/// would (its ring threads bind themselves), and reports it; `None` (said)
+/// when none starts.
+fn placing_engine(model: &Model, numa: Option<OnOff>) -> Result<Option<Engine>, weightstream::Error> {
     let mut ec = EngineConfig::from_env()?;
     if let Some(v) = numa {
         ec = ec.numa(v == OnOff::On);
     }
-    let engine = match Engine::new(&model, ec) {
+    Ok(match Engine::new(model, ec) {
         Ok(e) => Some(e),
         Err(e) => {
             tracing::warn!("no engine to show NUMA placement: {e}");
             None
         }
-    };
-    let drive_stats = engine
-        .as_ref()
-        .map_or_else(|| model.stats().drives, |e| e.stats().drives);
-    let provider = engine.as_ref().map(|e| e.numa_provider().name());
+    })
+}
+
+/// Every shard: the primary copy's fields at the top level, every copy
+/// under "copies".
+fn shards_json(model: &Model) -> Vec<serde_json::Value> {
     let cat = model.catalog();
     let copy_json = |f: &weightstream::ShardFile| {
         serde_json::json!({
@@ -42,8 +114,7 @@ pub(crate) fn inspect(dir: PathBuf, layout: &LayoutArgs, numa: Option<OnOff>, js
             "direct_refused": f.direct_refused,
         })
     };
-    let shards: Vec<serde_json::Value> = cat
-        .shards()
+    cat.shards()
         .iter()
         .enumerate()
         .map(|(i, s)| {
@@ -60,83 +131,45 @@ pub(crate) fn inspect(dir: PathBuf, layout: &LayoutArgs, numa: Option<OnOff>, js
             o.insert("copies".into(), copies.into());
             v
         })
-        .collect();
-    let refused: Vec<_> = model.copy_report().iter().filter(|c| !c.accepted).collect();
-    // A placed model: its layout and each file's root.
-    let placed = weightstream::place::Placed::read(&dir)?;
-    let placement = placed.as_ref().map(|p| {
-        let i = &p.index;
-        serde_json::json!({
-            "layout": i.layout,
-            "source": i.source,
-            "source_fingerprint": i.source_fingerprint,
-            "roots": i.roots,
-            "files": i.files,
-            "extras": i.extras,
-        })
-    });
-    if json {
-        // Serialised first: an error (not a panic in `json!`) if a field
-        // cannot be.
-        let refused = serde_json::to_value(&refused)?;
-        let drives = serde_json::to_value(&drive_stats)?;
-        let v = serde_json::json!({
-            "dir": escape(cat.dir()),
-            "shards": shards,
-            "tensors": cat.tensors().len(),
-            "bytes": cat.total_bytes(),
-            "route": model.route().name(),
-            "weights": model.rank_weights(),
-            "refused_copies": refused,
-            "placement": placement,
-            "numa_provider": provider,
-            "drives": drives,
-        });
-        println!("{}", serde_json::to_string_pretty(&v)?);
-        return Ok(());
-    }
-    let mut out = std::io::stdout().lock();
+        .collect()
+}
+
+/// A placed model's layout: each root and the files on it.
+fn print_placement(out: &mut impl Write, i: &weightstream::place::LayoutIndex) -> std::io::Result<()> {
     writeln!(
         out,
-        "model {}: {} shard(s), {} tensor(s), {} bytes; route {}, weights per copy rank {:?}",
-        escape(cat.dir()),
-        cat.shards().len(),
-        cat.tensors().len(),
-        cat.total_bytes(),
-        model.route().name(),
-        model.rank_weights()
+        "placed: {} layout over {} root(s), from {} (fingerprint {}...)",
+        i.layout,
+        i.roots.len(),
+        i.source,
+        &i.source_fingerprint[..12.min(i.source_fingerprint.len())]
     )?;
-    if let Some(p) = &placed {
-        let i = &p.index;
+    for (k, r) in i.roots.iter().enumerate() {
+        let mine: Vec<_> = i.files.iter().filter(|f| f.root == k).collect();
         writeln!(
             out,
-            "placed: {} layout over {} root(s), from {} (fingerprint {}...)",
-            i.layout,
-            i.roots.len(),
-            i.source,
-            &i.source_fingerprint[..12.min(i.source_fingerprint.len())]
+            "  root {k} {}: {} file(s), {} bytes{}",
+            r.folder,
+            mine.len(),
+            mine.iter().map(|f| f.size).sum::<u64>(),
+            if k == 0 { " (primary: layout index, extras)" } else { "" }
         )?;
-        for (k, r) in i.roots.iter().enumerate() {
-            let mine: Vec<_> = i.files.iter().filter(|f| f.root == k).collect();
+        for f in mine {
             writeln!(
                 out,
-                "  root {k} {}: {} file(s), {} bytes{}",
-                r.folder,
-                mine.len(),
-                mine.iter().map(|f| f.size).sum::<u64>(),
-                if k == 0 { " (primary: layout index, extras)" } else { "" }
+                "    {}  {} bytes{}",
+                f.name,
+                f.size,
+                f.layer.map_or(String::new(), |l| format!(", layer {l}"))
             )?;
-            for f in mine {
-                writeln!(
-                    out,
-                    "    {}  {} bytes{}",
-                    f.name,
-                    f.size,
-                    f.layer.map_or(String::new(), |l| format!(", layer {l}"))
-                )?;
-            }
         }
     }
+    Ok(())
+}
+
+/// Every shard and each of its copies: drive, filesystem, O_DIRECT alignment.
+fn print_shards(out: &mut impl Write, model: &Model) -> std::io::Result<()> {
+    let cat = model.catalog();
     for (i, s) in cat.shards().iter().enumerate() {
         let f = &model.files()[i];
         writeln!(
@@ -171,16 +204,17 @@ pub(crate) fn inspect(dir: PathBuf, layout: &LayoutArgs, numa: Option<OnOff>, js
             )?;
         }
     }
-    for c in &refused {
-        writeln!(
-            out,
-            "  refused copy {} ({}): {}",
-            escape(&c.path),
-            escape(&c.shard),
-            c.reason.as_deref().unwrap_or("?")
-        )?;
-    }
-    for (d, st) in model.drives().iter().zip(&drive_stats) {
+    Ok(())
+}
+
+/// Every drive: alignment, O_DIRECT, NUMA placement, how reads are issued.
+fn print_drives(
+    out: &mut impl Write,
+    model: &Model,
+    drive_stats: &[weightstream::DriveStats],
+    provider: Option<&str>,
+) -> std::io::Result<()> {
+    for (d, st) in model.drives().iter().zip(drive_stats) {
         writeln!(
             out,
             "drive {} ({}, {}): dio align {}, O_DIRECT on every file: {}",
@@ -190,7 +224,7 @@ pub(crate) fn inspect(dir: PathBuf, layout: &LayoutArgs, numa: Option<OnOff>, js
             d.dio_align,
             d.direct_open
         )?;
-        let Some(provider) = &provider else { continue };
+        let Some(provider) = provider else { continue };
         let node = match (st.numa_node, &st.numa_note) {
             (Some(n), _) => format!("NUMA node {n}"),
             (None, Some(why)) => format!("NUMA node unknown ({why})"),
