@@ -7,6 +7,7 @@ use std::sync::atomic::Ordering;
 
 use crate::engine::queue::{Control, Io, Job};
 use crate::error::{escape, Error};
+use crate::model::Model;
 use crate::plan::chunk::{on_result, payload_bytes, Chunk, Next};
 use crate::stats::DriveCounters;
 use crate::storage::files::{drop_pages, ShardFile};
@@ -170,15 +171,7 @@ pub(crate) fn fail_over(mut job: Job, why: String, io: &Io, lane: usize) -> Opti
             continue;
         }
         DriveCounters::add(&drive.counters.failovers, 1);
-        if !file.failover_warned.swap(true, Ordering::Relaxed) {
-            tracing::warn!(
-                drive = %drive.device,
-                "{}: read failed ({}); retrying on {} (warned once per copy; counted per drive as failovers)",
-                file.path.display(),
-                job.failures.last().map_or("", |f| f.1.as_str()),
-                to.path.display()
-            );
-        }
+        warn_failover_once(file, &drive.device, to, &job);
         job.chunk.file = next as u32;
         job.chunk.direct = job.chunk.direct && can_direct(to, &job);
         job.retries = 0;
@@ -207,6 +200,26 @@ pub(crate) fn fail_over(mut job: Job, why: String, io: &Io, lane: usize) -> Opti
             }
         }
     }
+    let err = read_failed(&job, model, copies.len(), cancelled);
+    finish(job, Some(err))
+}
+
+/// The first failover from `file` is logged (then only counted).
+fn warn_failover_once(file: &ShardFile, device: &str, to: &ShardFile, job: &Job) {
+    if !file.failover_warned.swap(true, Ordering::Relaxed) {
+        tracing::warn!(
+            drive = %device,
+            "{}: read failed ({}); retrying on {} (warned once per copy; counted per drive as failovers)",
+            file.path.display(),
+            job.failures.last().map_or("", |f| f.1.as_str()),
+            to.path.display()
+        );
+    }
+}
+
+/// The error of a chunk no copy could read: the tensor, the byte range,
+/// and every copy tried with its cause.
+fn read_failed(job: &Job, model: &Model, copies: usize, cancelled: bool) -> Error {
     let causes: Vec<String> = job
         .failures
         .iter()
@@ -216,7 +229,7 @@ pub(crate) fn fail_over(mut job: Job, why: String, io: &Io, lane: usize) -> Opti
     if cancelled {
         causes.push_str(" (cancelled by Engine::shutdown)");
     }
-    let err = Error::ReadFailed {
+    Error::ReadFailed {
         tensor: model
             .catalog()
             .tensors()
@@ -224,10 +237,9 @@ pub(crate) fn fail_over(mut job: Job, why: String, io: &Io, lane: usize) -> Opti
             .map_or_else(|| "?".to_string(), |t| t.name.clone()),
         start: job.chunk.file_off,
         end: job.chunk.file_off + job.chunk.len as u64,
-        copies: copies.len(),
+        copies,
         causes,
-    };
-    finish(job, Some(err))
+    }
 }
 /// Whether `job`'s chunk may go O_DIRECT on copy `f`: it has an O_DIRECT
 /// descriptor and the chunk's offset, length and memory meet its alignment.
