@@ -49,6 +49,12 @@ pub struct LoadReport {
     /// How long that helper took to fault in the whole mapping (0 when it
     /// did not run; it stops early when the load fails).
     pub fault_ahead_seconds: f64,
+    /// Why the helper did not fault the whole mapping in, when it was
+    /// meant to (no thread could be started, or the kernel refused
+    /// `MADV_POPULATE_WRITE`: Linux before 5.14); the reads then fault
+    /// their own pages. Warned once per process too.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fault_ahead_refused: Option<String>,
 }
 
 impl LoadReport {
@@ -281,13 +287,14 @@ impl Engine {
         let stop = AtomicBool::new(false);
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
         let faults_ahead = opts.faults_ahead(self.io_threads(), cpus);
-        let (read, fault_ahead_seconds) = std::thread::scope(|scope| {
+        let (read, (fault_ahead_seconds, fault_ahead_refused)) = std::thread::scope(|scope| {
+            let mut refused = None;
             let helper = faults_ahead
                 .then(|| {
                     std::thread::Builder::new()
                         .name("ws-fault-ahead".into())
                         .spawn_scoped(scope, || fault_ahead(&arena, plan.bytes, &stop))
-                        .map_err(|e| tracing::debug!("load_all: no fault-ahead thread ({e}); reads fault the pages"))
+                        .map_err(|e| refused = Some(format!("no fault-ahead thread: {e}")))
                         .ok()
                 })
                 .flatten();
@@ -302,8 +309,16 @@ impl Engine {
             let guard = Stop(&stop);
             let read = self.read_all(opts, &chosen, &plan, &arena, &mut landed, total_bytes, t0);
             drop(guard);
-            let secs = helper.map_or(0.0, |h| h.join().unwrap_or(0.0));
-            (read, secs)
+            let (secs, why) = helper.map_or((0.0, refused), |h| h.join().unwrap_or((0.0, None)));
+            if let Some(why) = &why {
+                static WARNED: std::sync::Once = std::sync::Once::new();
+                WARNED.call_once(|| {
+                    tracing::warn!(
+                        "load_all: {why}; the reads fault their own pages (said once; in LoadReport::fault_ahead_refused)"
+                    )
+                });
+            }
+            (read, (secs, why))
         });
         read?;
         let tensors: Vec<Loaded> = landed.into_iter().map(|l| l.expect("every tensor landed")).collect();
@@ -333,6 +348,7 @@ impl Engine {
                 registered: opts.register,
                 faulted_ahead: faults_ahead,
                 fault_ahead_seconds,
+                fault_ahead_refused,
             },
         })
     }
@@ -402,9 +418,10 @@ impl Engine {
 }
 
 /// Faults `arena`'s first `bytes` in, in order, a piece at a time, until
-/// done or `stop`; returns the seconds it took. The layout places tensors
-/// in the order they are read, so this runs ahead of the reads.
-fn fault_ahead(arena: &Arena, bytes: usize, stop: &AtomicBool) -> f64 {
+/// done or `stop`; returns the seconds it took, and why it gave up when
+/// the kernel refused. The layout places tensors in the order they are
+/// read, so this runs ahead of the reads.
+fn fault_ahead(arena: &Arena, bytes: usize, stop: &AtomicBool) -> (f64, Option<String>) {
     /// Small enough to stop soon, large enough to be one call per 16 huge pages.
     const STEP: usize = 32 << 20;
     let t0 = Instant::now();
@@ -413,10 +430,12 @@ fn fault_ahead(arena: &Arena, bytes: usize, stop: &AtomicBool) -> f64 {
         if let Err(e) = arena.populate_range(at, STEP.min(bytes - at)) {
             // Before Linux 5.14 (EINVAL), or no memory now (the reads will
             // fault, and fail, themselves): the reads fault their pages.
-            tracing::debug!("load_all: MADV_POPULATE_WRITE refused ({e}); the reads fault their own pages");
-            break;
+            return (
+                t0.elapsed().as_secs_f64(),
+                Some(format!("MADV_POPULATE_WRITE refused at byte {at} of the mapping: {e}")),
+            );
         }
         at += STEP;
     }
-    t0.elapsed().as_secs_f64()
+    (t0.elapsed().as_secs_f64(), None)
 }
