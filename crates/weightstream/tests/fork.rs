@@ -110,26 +110,8 @@ fn an_engine_in_a_forked_child_refuses_work_and_drops_cleanly() {
             unsafe { libc::_exit(code) };
         }
         let fork_time = t0.elapsed();
-        let mut status = 0;
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            // SAFETY: waits for our own child; `status` is a valid out-pointer.
-            let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
-            if r == pid {
-                break;
-            }
-            if Instant::now() > deadline {
-                // SAFETY: kills our own child.
-                unsafe { libc::kill(pid, libc::SIGKILL) };
-                panic!("{backend:?}: the child hung (engine use or drop in a forked child)");
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        assert!(
-            libc::WIFEXITED(status),
-            "{backend:?}: the child died abnormally (status {status:#x})"
-        );
-        assert_eq!(libc::WEXITSTATUS(status), OK, "{backend:?}: child check failed");
+        let code = exit_code(pid, &format!("{backend:?}: engine use or drop in a forked child"));
+        assert_eq!(code, OK, "{backend:?}: child check failed");
         eprintln!(
             "{backend:?}: fork with a {} MiB registered arena took {fork_time:?}",
             8 * 64
@@ -193,6 +175,21 @@ fn a_stream_in_a_forked_child_ends_after_one_forked_error() {
         // SAFETY: ends the child at once, running no exit handlers.
         unsafe { libc::_exit(code) };
     }
+    assert_eq!(exit_code(pid, "a stream in a forked child"), OK, "child check failed");
+    assert!(weightstream_synth::verify(s.seed, held.name(), &held));
+    let mut n = 1;
+    for item in st {
+        let l = item.unwrap();
+        assert!(weightstream_synth::verify(s.seed, l.name(), &l), "{}", l.name());
+        n += 1;
+    }
+    assert_eq!(n, model.catalog().tensors().len());
+}
+
+/// Waits up to 30 s for child `pid` and returns its exit code; panics
+/// (after killing it) when it hangs, and when it dies of a signal. `what`
+/// names what the child did.
+fn exit_code(pid: libc::pid_t, what: &str) -> i32 {
     let mut status = 0;
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
@@ -204,21 +201,13 @@ fn a_stream_in_a_forked_child_ends_after_one_forked_error() {
         if Instant::now() > deadline {
             // SAFETY: kills our own child.
             unsafe { libc::kill(pid, libc::SIGKILL) };
-            panic!("the child hung in a stream");
+            panic!("the child hung ({what})");
         }
         std::thread::sleep(Duration::from_millis(10));
     }
     assert!(
         libc::WIFEXITED(status),
-        "the child died abnormally (status {status:#x})"
+        "the child died abnormally ({what}; status {status:#x})"
     );
-    assert_eq!(libc::WEXITSTATUS(status), OK, "child check failed");
-    assert!(weightstream_synth::verify(s.seed, held.name(), &held));
-    let mut n = 1;
-    for item in st {
-        let l = item.unwrap();
-        assert!(weightstream_synth::verify(s.seed, l.name(), &l), "{}", l.name());
-        n += 1;
-    }
-    assert_eq!(n, model.catalog().tensors().len());
+    libc::WEXITSTATUS(status)
 }
