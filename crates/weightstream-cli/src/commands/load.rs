@@ -16,6 +16,7 @@ use std::time::Instant;
 use sha2::{Digest, Sha256};
 use weightstream::{Engine, LoadOptions, Model, Order};
 
+use crate::bench::page_cache_bytes;
 use crate::cli::{EngineArgs, LayoutArgs, LoadMethod};
 use crate::commands::CliResult;
 
@@ -177,8 +178,8 @@ pub(crate) fn load(dir: &Path, args: &LoadArgs, engine_args: &EngineArgs, layout
     };
     let seconds = t0.elapsed().as_secs_f64();
     let cpu_seconds = crate::ceiling::process_cpu_seconds() - cpu0;
-    let peak_rss_bytes = peak_rss_bytes();
-    let page_cache_growth_bytes = page_cache_bytes() as i64 - cache0 as i64;
+    let peak_rss_bytes = crate::ceiling::peak_rss_bytes();
+    let page_cache_growth_bytes = page_cache_bytes() - cache0;
     bar.finish();
     let bytes: u64 = payloads.values().map(|p| p.len() as u64).sum();
     let record = LoadRecord {
@@ -288,39 +289,16 @@ fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
-/// Peak resident set of this process (getrusage ru_maxrss, KiB).
-fn peak_rss_bytes() -> u64 {
-    let mut u = std::mem::MaybeUninit::<libc::rusage>::zeroed();
-    // SAFETY: getrusage writes one `rusage` into the pointer it is given; the
-    // buffer is a properly sized and aligned `rusage`.
-    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, u.as_mut_ptr()) };
-    if rc != 0 {
-        return 0;
-    }
-    // SAFETY: getrusage returned 0, so it filled the struct (and it was
-    // zeroed before).
-    let u = unsafe { u.assume_init() };
-    u.ru_maxrss.max(0) as u64 * 1024
-}
-
-/// A field of /proc/self/status or /proc/meminfo in bytes (`kB` values).
-fn proc_kb(path: &str, field: &str) -> u64 {
-    std::fs::read_to_string(path)
+/// Resident set of this process now (`VmRSS` of /proc/self/status), bytes.
+fn current_rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {
             s.lines()
-                .find_map(|l| l.strip_prefix(field))
+                .find_map(|l| l.strip_prefix("VmRSS:"))
                 .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
         })
         .map_or(0, |kb| kb * 1024)
-}
-
-fn current_rss_bytes() -> u64 {
-    proc_kb("/proc/self/status", "VmRSS:")
-}
-
-fn page_cache_bytes() -> u64 {
-    proc_kb("/proc/meminfo", "Cached:")
 }
 
 /// indicatif's bar on a terminal (bytes, rate, time left); nothing
