@@ -120,7 +120,7 @@ pub mod __internal {
         std::fs::create_dir_all(&dir)?;
         let (mut at, mut entries) = (0usize, serde_json::Map::new());
         for &(name, dtype, len) in tensors {
-            let elem = (dtype.bits() / 8).max(1) as usize;
+            let elem = crate::load::element_align(dtype);
             entries.insert(
                 name.to_string(),
                 serde_json::json!({"dtype": dtype.name(), "shape": [len / elem], "data_offsets": [at, at + len]}),

@@ -45,10 +45,7 @@ pub(crate) struct Layout {
     pub(crate) bytes: usize,
 }
 
-fn round_up(x: usize, a: usize) -> Option<usize> {
-    debug_assert!(a.is_power_of_two());
-    x.checked_add(a - 1).map(|v| v & !(a - 1))
-}
+use crate::memory::arena::{in_place_bytes, round_up};
 
 /// Lays `items` out one after the other. `block` is the O_DIRECT alignment
 /// (a power of two), `unit` the slot granularity (a power of two, a
@@ -64,7 +61,8 @@ pub(crate) fn plan(items: &[Item], block: usize, unit: usize, piece: usize) -> O
         let len = usize::try_from(it.len).ok()?;
         let pad = (it.offset % block as u64) as usize;
         let place = if len > 0 && pad.is_multiple_of(it.align) {
-            let slot = round_up(pad.checked_add(len)?, unit)?;
+            // The slot `Arena::take_for` would carve, to the next unit.
+            let slot = round_up(in_place_bytes(it.offset, it.len, block)?, unit)?;
             let mut at = round_up(cursor, unit)?;
             if slot <= piece && at / piece != at.checked_add(slot - 1)? / piece {
                 at = (at / piece + 1).checked_mul(piece)?;

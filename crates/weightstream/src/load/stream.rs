@@ -8,7 +8,7 @@ use crate::engine::{Engine, Loaded};
 use crate::error::{Error, Result};
 use crate::format::catalog::TensorRef;
 use crate::load::waitset::WaitSet;
-use crate::memory::arena::{page_size, round_up};
+use crate::memory::arena::{in_place_bytes, page_size, round_up};
 use crate::memory::Arena;
 
 /// Tensors read in the order given and yielded as they complete, staged in
@@ -106,17 +106,15 @@ impl Engine {
             // Refused before any arithmetic on its fields: a reference of
             // another model (or one edited by hand) names another file.
             self.model().file_of(t)?;
-            let pad = t.offset % block as u64;
-            let need = t
-                .len
-                .max(1)
-                .checked_add(pad)
-                .and_then(|n| n.checked_next_multiple_of(page as u64))
-                .unwrap_or(u64::MAX);
-            if need > room as u64 {
+            // What `take_for` will ask of the staging arena, page-rounded.
+            let need = in_place_bytes(t.offset, t.len, block).and_then(|n| round_up(n, page));
+            if need.is_none_or(|n| n > room) {
+                let need = need.map_or("more than usize::MAX".to_string(), |n| n.to_string());
                 return Err(Error::Config(format!(
-                    "stream: tensor {} needs {need} bytes of staging ({} payload bytes, {pad} before it, page-rounded), more than the budget of {budget} bytes",
-                    t.name, t.len
+                    "stream: tensor {} needs {need} bytes of staging ({} payload bytes, {} before it, page-rounded), more than the budget of {budget} bytes",
+                    t.name,
+                    t.len,
+                    t.offset % block as u64
                 )));
             }
         }

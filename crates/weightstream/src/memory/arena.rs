@@ -118,6 +118,14 @@ impl SlotSpec {
     }
 }
 
+/// Bytes a slot needs to read a payload of `len` bytes at file offset
+/// `offset` in place: the `offset % align` bytes of scratch before it, then
+/// the payload (at least one byte). `None` when that overflows `usize`.
+pub(crate) fn in_place_bytes(offset: u64, len: u64, align: usize) -> Option<usize> {
+    let pad = (offset % align as u64) as usize;
+    pad.checked_add(usize::try_from(len).ok()?.max(1))
+}
+
 /// Rounds `x` up to a multiple of `align`; `None` when `align` is not a
 /// power of two or the result does not fit `usize`.
 pub fn round_up(x: usize, align: usize) -> Option<usize> {
@@ -507,8 +515,7 @@ impl Arena {
                 if self.map.unmapped_here() {
                     return None;
                 }
-                let pad = (tensor.offset % align as u64) as usize;
-                let want = pad.checked_add(cap.max(1))?;
+                let want = in_place_bytes(tensor.offset, tensor.len, align)?;
                 let (offset, len) = lock(extents).take(want)?;
                 Some(Slot {
                     map: Arc::clone(&self.map),
