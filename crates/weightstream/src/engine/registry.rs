@@ -164,7 +164,23 @@ impl Engine {
         }
         let reg = lock(&self.registry);
         let a = reg.arenas.iter().find(|a| a.id == slot.arena_id())?;
-        let piece = slot.piece()? as u32;
+        let Some(piece) = slot.piece() else {
+            // A slot across two registered pieces (a packed slot larger
+            // than a piece, or one placed across a boundary) has no one
+            // fixed buffer: its chunks go as plain Read, counted per chunk.
+            static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+            if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                tracing::warn!(
+                    "a slot of {} bytes at offset {} of arena {} spans two registered 1 GiB pieces: its reads use plain Read \
+                     (said once; counted per drive as chunks_unregistered)",
+                    slot.len(),
+                    slot.offset(),
+                    slot.arena_id()
+                );
+            }
+            return None;
+        };
+        let piece = piece as u32;
         (piece < a.n).then(|| (a.first + piece) as u16)
     }
 }
