@@ -82,6 +82,7 @@ pub(crate) fn digest(
     Ok(())
 }
 
-fn hex(b: &[u8]) -> String {
+/// Lower-case hex of `b` (as sha256sum prints a digest).
+pub(crate) fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }

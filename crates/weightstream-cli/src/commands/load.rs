@@ -18,6 +18,7 @@ use weightstream::{Engine, LoadOptions, Model, Order};
 
 use crate::bench::page_cache_bytes;
 use crate::cli::{EngineArgs, LayoutArgs, LoadMethod};
+use crate::commands::digest::hex;
 use crate::commands::CliResult;
 
 /// The command's options (beyond the engine's and the layout's).
@@ -283,10 +284,6 @@ fn touch(b: &[u8]) {
         sum = sum.wrapping_add(b[i]);
     }
     std::hint::black_box(sum);
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
 /// Resident set of this process now (`VmRSS` of /proc/self/status), bytes.
