@@ -128,7 +128,10 @@ fn a_drive_with_several_rings_survives_one_of_them() {
 }
 
 /// The build's own disk (virtio here, NVMe on most hosts) completes
-/// asynchronously: one ring that issues inline. (A loop device over tmpfs,
+/// asynchronously: one ring that issues inline. (On a busy machine the
+/// submitter may be held up inside the probe's call until every read has
+/// completed, which once made this disk look inline under CI; the probe
+/// judges only passes in which the submitter kept the CPU.) (A loop device over tmpfs,
 /// simdrives' memloop, is not used for this: since Linux 6.x the loop driver
 /// first tries each read without blocking in the submitter's context, so it
 /// completes inline or not depending on its load, and either plan reads it
@@ -154,7 +157,7 @@ fn a_drive_that_completes_asynchronously_keeps_one_ring() {
         return;
     }
     assert_eq!((d.rings, d.submit), (Some(1), Some("inline")), "{d:?}");
-    assert!(why.contains("asynchronously") && why.contains("0 done"), "{why}");
+    assert!(why.contains("asynchronously") && why.contains("clean passes"), "{why}");
     read_all(&engine, &model, s.seed);
 }
 

@@ -61,6 +61,8 @@ mod tests {
             done_at_submit: if submit_us * 2 > total_us { 8 } else { 0 },
             submit: std::time::Duration::from_micros(submit_us),
             total: std::time::Duration::from_micros(total_us),
+            passes: 1,
+            clean: 1,
         }))
     }
 
