@@ -172,7 +172,11 @@ impl EngineConfig {
         self
     }
 
-    /// Sets the largest chunk (`None`: from the device).
+    /// Sets the largest chunk. `None` (the default): the device's
+    /// `max_sectors_kb` clamped to 1-4 MiB, and a large read's chunks grow
+    /// by a whole factor up to 4 MiB as long as every I/O thread serving
+    /// the read (over all its copies) still gets at least 4 of them. A set
+    /// size is used as is.
     pub fn chunk(mut self, chunk: Option<usize>) -> Self {
         self.chunk = chunk;
         self

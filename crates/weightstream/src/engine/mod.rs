@@ -15,6 +15,7 @@ use crate::fork::Origin;
 use crate::format::catalog::TensorRef;
 use crate::memory::{Arena, Slot, SlotSpec};
 use crate::model::Model;
+use crate::plan::chunk;
 use crate::stats::{Feature, Stats};
 use crate::storage::numa::{Locality, Provider};
 
@@ -82,6 +83,9 @@ enum Backend {
 struct DriveIo {
     threads: Vec<JoinHandle<()>>,
     chunk: usize,
+    /// Largest chunk one read's chunks may grow to (`chunk` itself when the
+    /// configuration fixed the size; see `plan::chunk::for_read`).
+    chunk_max: usize,
     ring: Option<String>,
     /// How the drive's rings issue reads (io_uring backend), and io-wq's
     /// bound when they punt.
@@ -226,9 +230,22 @@ impl Engine {
         self.router.policy()
     }
 
-    /// Chunk size used on drive `i`.
+    /// Chunk size of drive `i`: `EngineConfig::chunk` when set, else the
+    /// device's (a large read may use a whole multiple of it, see
+    /// [`EngineConfig::chunk`](crate::EngineConfig::chunk)).
     pub fn chunk_bytes(&self, drive: usize) -> usize {
         self.drives[drive].chunk
+    }
+
+    /// The chunk size a read of `len` bytes from copies on `drives` is cut
+    /// at: the first drive's chunk, grown for a large read when the size
+    /// is the engine's to choose, as long as every I/O thread of those
+    /// drives keeps its share of chunks.
+    fn chunk_for_read(&self, drives: impl Iterator<Item = usize> + Clone, len: usize) -> usize {
+        let Some(first) = drives.clone().next() else { return 1 };
+        let d = &self.drives[first];
+        let lanes = drives.map(|i| self.drives[i].threads.len().max(1)).sum();
+        chunk::for_read(d.chunk, d.chunk_max, len, lanes)
     }
 
     /// An arena of `count` slots of `spec`, registered with every ring as

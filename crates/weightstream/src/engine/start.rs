@@ -17,6 +17,7 @@ use crate::engine::{stop, Backend, DriveIo, Engine};
 use crate::error::{Error, Result};
 use crate::fork::Origin;
 use crate::model::Model;
+use crate::plan::chunk;
 use crate::stats::Feature;
 use crate::storage::numa::{parse_list, Locality, Provider, ThreadPlacement};
 use crate::storage::topology;
@@ -92,6 +93,16 @@ fn chunk_sizes(model: &Model, chunk: Option<usize>) -> Vec<usize> {
             (c.max(align) / align) * align
         })
         .collect()
+}
+
+/// The largest chunk a drive's reads may grow to: the configured chunk
+/// when there is one (the caller chose), else up to
+/// `plan::chunk::GROWN_CHUNK_MAX`.
+fn chunk_max(chunk: usize, config: &EngineConfig) -> usize {
+    match config.chunk {
+        Some(_) => chunk,
+        None => chunk.max(chunk::GROWN_CHUNK_MAX),
+    }
 }
 
 /// Each drive's NUMA locality from `provider`.
@@ -188,6 +199,7 @@ fn start_pread(
         drives.push(DriveIo {
             threads,
             chunk,
+            chunk_max: chunk_max(chunk, config),
             ring: None,
             submit: None,
             binding,
@@ -314,6 +326,7 @@ fn start_rings(
                     started.push(DriveIo {
                         threads,
                         chunk,
+                        chunk_max: chunk_max(chunk, config),
                         ring: None,
                         submit: None,
                         binding: String::new(),
@@ -336,6 +349,7 @@ fn start_rings(
             DriveIo {
                 threads,
                 chunk,
+                chunk_max: chunk_max(chunk, config),
                 ring: Some(desc),
                 submit: Some((plan, setup.iowq_workers)),
                 binding: setup.binding.clone(),
