@@ -287,7 +287,7 @@ pub(crate) struct EngineArgs {
     /// Chunks in flight per drive (default: WEIGHTSTREAM_QD or 32).
     #[arg(long)]
     pub(crate) qd: Option<usize>,
-    /// Largest chunk, e.g. 1MiB (default: the device's max_sectors_kb, clamped to 1-4 MiB).
+    /// Largest chunk, e.g. 1MiB (default: the device's max_sectors_kb, clamped to 1-4 MiB; a large read's chunks grow by a whole factor up to 4 MiB while each I/O thread serving it keeps 4).
     #[arg(long, value_parser = parse_bytes)]
     pub(crate) chunk: Option<u64>,
     /// Reads kept in flight (slots in the arena).
