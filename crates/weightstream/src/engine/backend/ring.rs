@@ -92,6 +92,19 @@ pub(crate) struct SubmitProbe {
     pub clean: u32,
 }
 
+impl SubmitProbe {
+    /// No probe read was possible (no O_DIRECT descriptor, an empty file).
+    pub(crate) const NONE: SubmitProbe = SubmitProbe {
+        k: 0,
+        bytes: 0,
+        done_at_submit: 0,
+        submit: Duration::ZERO,
+        total: Duration::ZERO,
+        passes: 0,
+        clean: 0,
+    };
+}
+
 /// Decides how a drive's reads are issued from its probe (pure: unit-tested
 /// with made-up probes). A drive that completes reads inside the submitting
 /// call (zram, brd, pmem, some stacked drivers: the copy runs in
@@ -156,23 +169,14 @@ pub(crate) fn completes_inline(p: &SubmitProbe) -> (bool, String) {
 pub(crate) fn probe_submit(file: &ShardFile) -> std::io::Result<SubmitProbe> {
     const K: u32 = 8;
     const READ: u64 = 64 << 10;
-    let none = SubmitProbe {
-        k: 0,
-        bytes: 0,
-        done_at_submit: 0,
-        submit: Duration::ZERO,
-        total: Duration::ZERO,
-        passes: 0,
-        clean: 0,
-    };
     let Some(direct) = file.direct.as_ref() else {
-        return Ok(none);
+        return Ok(SubmitProbe::NONE);
     };
     let align = (file.topo.dio_offset_align.max(file.topo.dio_mem_align) as u64).max(4096);
     let stride = file.size / K as u64 / align * align;
     let len = READ.min(stride);
     if len == 0 {
-        return Ok(none);
+        return Ok(SubmitProbe::NONE);
     }
     let spec = SlotSpec::new(len as usize).with_align(align as usize);
     let arena = Arena::new(spec, K as usize).map_err(std::io::Error::other)?;
@@ -258,7 +262,7 @@ pub(crate) fn probe_submit(file: &ShardFile) -> std::io::Result<SubmitProbe> {
             break;
         }
     }
-    Ok(probe.map_or(none, |(p, _)| SubmitProbe { passes, clean, ..p }))
+    Ok(probe.map_or(SubmitProbe::NONE, |(p, _)| SubmitProbe { passes, clean, ..p }))
 }
 
 /// Whether probe pass `this` (with whether it was clean) is kept instead of
@@ -1063,15 +1067,6 @@ mod tests {
         assert!(!completes_inline(&probe(0, 90, 100)).0);
         // A zero clock still decides by the count.
         assert!(completes_inline(&probe(8, 0, 0)).0);
-        let none = SubmitProbe {
-            k: 0,
-            bytes: 0,
-            done_at_submit: 0,
-            submit: Duration::ZERO,
-            total: Duration::ZERO,
-            passes: 0,
-            clean: 0,
-        };
-        assert!(!completes_inline(&none).0);
+        assert!(!completes_inline(&SubmitProbe::NONE).0);
     }
 }
