@@ -114,7 +114,7 @@ impl Engine {
         // Direct or buffered, per copy (copies may sit on different filesystems).
         let mut direct = DirectPlan::decide(model.direct_mode(), w, &slot, &files[..n], model.drives());
         let w = direct.window;
-        let chunk_size = self.chunk_for_read(files[..n].iter().map(|f| f.drive), w.len as usize);
+        let chunk_size = self.chunk_for_read(files[..n].iter().map(|f| f.drive), w.len);
         let target = Target::of(&slot, self.buf_index(&slot));
         let candidates: [Candidate; MAX_COPY_RANKS] = std::array::from_fn(|k| self.candidate(files[k], &slot));
         let mut route = self.router.route_read(key, &candidates[..n]);

@@ -460,13 +460,7 @@ impl Arena {
                 spec, slot_len, free, ..
             } => {
                 let index = lock(free).pop()?;
-                Some(Slot {
-                    map: Arc::clone(&self.map),
-                    offset: index * slot_len,
-                    len: *slot_len,
-                    spec: *spec,
-                    exact: false,
-                })
+                Some(self.slot_at(index * slot_len, *slot_len, *spec, false))
             }
             Carve::Packed { .. } => None,
         }
@@ -488,13 +482,7 @@ impl Arena {
             Carve::Packed { extents, .. } => {
                 let want = spec.slot_len().ok()?;
                 let (offset, len) = lock(extents).take(want)?;
-                Some(Slot {
-                    map: Arc::clone(&self.map),
-                    offset,
-                    len,
-                    spec,
-                    exact: false,
-                })
+                Some(self.slot_at(offset, len, spec, false))
             }
         }
     }
@@ -517,13 +505,7 @@ impl Arena {
                 }
                 let want = in_place_bytes(tensor.offset, tensor.len, align)?;
                 let (offset, len) = lock(extents).take(want)?;
-                Some(Slot {
-                    map: Arc::clone(&self.map),
-                    offset,
-                    len,
-                    spec,
-                    exact: false,
-                })
+                Some(self.slot_at(offset, len, spec, false))
             }
         }
     }
@@ -541,13 +523,20 @@ impl Arena {
             return None;
         };
         let (offset, len) = lock(extents).take_at(offset, len)?;
-        Some(Slot {
+        Some(self.slot_at(offset, len, spec, exact))
+    }
+
+    /// The slot handle for `[offset, offset + len)` of this arena's
+    /// mapping, which the caller has just taken from the free list or the
+    /// extents (so nothing else holds it).
+    fn slot_at(&self, offset: usize, len: usize, spec: SlotSpec, exact: bool) -> Slot {
+        Slot {
             map: Arc::clone(&self.map),
             offset,
             len,
             spec,
             exact,
-        })
+        }
     }
 
     /// Returns a slot; the same as dropping it. A slot of another arena is
