@@ -105,6 +105,16 @@ pub(crate) struct Marker {
     /// The primary folder (root 0's), which holds the layout index.
     pub(crate) primary: OsName,
     pub(crate) layout: LayoutKind,
+    /// The binding that makes the marker a proof (see [`Marker::proves`]):
+    /// the root's real path, the folder's name in it, and the folder's
+    /// inode when the marker was written. Absent in markers written before
+    /// the binding existed: such a marker proves nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) root: Option<OsName>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) folder: Option<OsName>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) folder_ino: Option<u64>,
 }
 
 /// The format tag of [`Marker`].
@@ -122,6 +132,54 @@ impl Marker {
         }
         Ok(m)
     }
+
+    /// Whether this marker proves that the folder `name` of `root`, whose
+    /// inode is `ino`, is a placement folder weightstream made for the
+    /// model whose source (real path) is `source`: the marker names that
+    /// source, that root, that folder name, and that inode, and the folder
+    /// name is the one weightstream derives from the source
+    /// ([`folder_name`]). A marker copied into another directory (another
+    /// inode), one of another model, or one without the binding proves
+    /// nothing. `Err` says why, for a warning.
+    pub(crate) fn proves(&self, source: &Path, root: &Path, name: &OsStr, ino: u64) -> std::result::Result<(), String> {
+        let want_name = folder_name(source);
+        if name != want_name {
+            return Err(format!(
+                "its name is not \"{}\", the folder name of the model \"{}\"",
+                escape(&want_name),
+                escape(source)
+            ));
+        }
+        let (Some(r), Some(f), Some(i)) = (&self.root, &self.folder, self.folder_ino) else {
+            return Err("its marker is not bound to the folder (written by an older weightstream)".into());
+        };
+        if self.source.as_path() != source {
+            return Err(format!("its marker names another model (\"{}\")", self.source));
+        }
+        if r.as_path() != root || f.as_os_str() != name {
+            return Err(format!("its marker names another folder (\"{}\" in \"{}\")", f, r));
+        }
+        if i != ino {
+            return Err(format!(
+                "its marker was written for another directory (inode {i}, this one is {ino}): a copy, or a folder \
+                 made again"
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The per-model folder name: `<basename>-<12 hex of sha256(realpath of
+/// the source)>` (the basename cut to 200 bytes, so the name fits a
+/// filesystem's 255).
+pub fn folder_name(source_real: &Path) -> OsString {
+    let base = source_real.file_name().map_or(&b"model"[..], |b| b.as_bytes());
+    let base = &base[..base.len().min(200)];
+    let digest = sha256_hex(source_real.as_os_str().as_bytes());
+    let mut v = base.to_vec();
+    v.push(b'-');
+    v.extend_from_slice(&digest.as_bytes()[..12]);
+    OsString::from_vec(v)
 }
 
 /// A file or path name, kept as bytes. Serialised as a JSON string when it
@@ -319,13 +377,28 @@ pub(crate) fn is_temp(name: &OsStr) -> bool {
     name.as_bytes().starts_with(TEMP_PREFIX.as_bytes())
 }
 
+/// `p` is in the form of a real path: absolute, with no `.` or `..`
+/// component and no doubled or trailing `/` (so that comparing paths
+/// compares places).
+fn is_real_form(p: &Path) -> bool {
+    let b = p.as_os_str().as_bytes();
+    b.first() == Some(&b'/')
+        && !b.contains(&0)
+        && (b == b"/"
+            || (!b.ends_with(b"/")
+                && b[1..]
+                    .split(|&c| c == b'/')
+                    .all(|c| is_plain_name(OsStr::from_bytes(c)))))
+}
+
 fn is_hex64(s: &str) -> bool {
     s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
 impl LayoutIndex {
-    /// Parses and checks an index read from `path` (untrusted input).
-    pub(crate) fn parse(path: &Path, bytes: &[u8]) -> Result<Self> {
+    /// Parses and checks an index read from `path` (untrusted input): an
+    /// error names `path` and what is wrong.
+    pub fn parse(path: &Path, bytes: &[u8]) -> Result<Self> {
         let idx: LayoutIndex = serde_json::from_slice(bytes)
             .map_err(|e| Error::catalog(path, format!("not a weightstream layout index: {e}")))?;
         idx.check()
@@ -333,8 +406,16 @@ impl LayoutIndex {
         Ok(idx)
     }
 
-    /// The structural rules every index must keep.
-    pub(crate) fn check(&self) -> std::result::Result<(), String> {
+    /// The structural rules every index must keep: the format, 1 to 8
+    /// roots, each a real-form absolute path listed once whose folder is
+    /// `root/<folder>`, the folder name the one derived from the source
+    /// ([`folder_name`]), at least one file, every name one plain component
+    /// (`*.safetensors` for files, anything else for extras, none of
+    /// weightstream's own), hashes of 64 hex digits, nothing listed twice.
+    /// A checked index still proves nothing about the disk: readers and
+    /// `place` follow it only into folders whose marker proves them (see
+    /// `docs/layouts.md`).
+    pub fn check(&self) -> std::result::Result<(), String> {
         if self.format != INDEX_FORMAT {
             return Err(format!(
                 "format {:?}, expected {INDEX_FORMAT:?} (written by another version of weightstream?)",
@@ -347,9 +428,33 @@ impl LayoutIndex {
         if !is_plain_name(self.folder.as_os_str()) {
             return Err(format!("folder name \"{}\" is not one path component", self.folder));
         }
+        if !is_real_form(self.source.as_path()) {
+            return Err(format!(
+                "source \"{}\" is not an absolute path without \".\" or \"..\"",
+                self.source
+            ));
+        }
+        let derived = folder_name(self.source.as_path());
+        if self.folder.as_os_str() != derived {
+            return Err(format!(
+                "folder name \"{}\" is not \"{}\", the one weightstream derives from the source \"{}\"",
+                self.folder,
+                escape(&derived),
+                self.source
+            ));
+        }
+        if self.files.is_empty() {
+            return Err("it names no safetensors file (\"files\" is empty)".into());
+        }
         for (k, r) in self.roots.iter().enumerate() {
-            if !r.path.as_path().is_absolute() {
-                return Err(format!("root {k} \"{}\" is not an absolute path", r.path));
+            if !is_real_form(r.path.as_path()) {
+                return Err(format!(
+                    "root {k} \"{}\" is not an absolute path without \".\" or \"..\"",
+                    r.path
+                ));
+            }
+            if self.roots[..k].iter().any(|o| o.path == r.path) {
+                return Err(format!("root {k} \"{}\" is listed twice", r.path));
             }
             if r.folder.as_path() != r.path.as_path().join(self.folder.as_os_str()) {
                 return Err(format!(
@@ -474,15 +579,106 @@ pub(crate) fn read_small_at(dir: impl AsFd, name: &str, shown: &Path) -> Result<
     Ok(Some(bytes))
 }
 
-/// Opens a directory (`O_DIRECTORY`, not following a link at the last
-/// component).
-pub(crate) fn open_dir(path: &Path) -> Result<OwnedFd> {
-    rustix::fs::open(
-        path,
+/// Opens the directory at the absolute path `path` one component at a
+/// time from `/`, each with `O_DIRECTORY | O_NOFOLLOW`: a symbolic link
+/// anywhere on the way (swapped in after a path was checked, or named by
+/// an index) is refused, never followed; so are `..` and a relative path.
+/// Placement folders are always reached this way: their roots are real
+/// paths, which hold no link.
+pub(crate) fn open_dir_no_links(path: &Path) -> Result<OwnedFd> {
+    use std::path::Component;
+    let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    if !path.is_absolute() {
+        return Err(Error::catalog(path, "is not an absolute path: refused"));
+    }
+    let mut fd = rustix::fs::open("/", flags, Mode::empty()).map_err(|e| Error::io("/", "open directory", e))?;
+    let mut walked = PathBuf::from("/");
+    for c in path.components() {
+        let name = match c {
+            Component::RootDir | Component::CurDir => continue,
+            Component::Normal(n) => n,
+            Component::ParentDir | Component::Prefix(_) => {
+                return Err(Error::catalog(path, "holds a \"..\" component: refused"));
+            }
+        };
+        walked.push(name);
+        fd = match rustix::fs::openat(&fd, name, flags, Mode::empty()) {
+            Ok(next) => next,
+            Err(e @ (rustix::io::Errno::LOOP | rustix::io::Errno::NOTDIR)) => {
+                let what = match rustix::fs::statat(&fd, name, rustix::fs::AtFlags::SYMLINK_NOFOLLOW) {
+                    Ok(st) => FileType::from_raw_mode(st.st_mode),
+                    Err(_) => FileType::Unknown,
+                };
+                return Err(match what {
+                    FileType::Symlink => Error::catalog(
+                        path,
+                        format!(
+                            "\"{}\" on the way is a symbolic link: refused (weightstream never follows a link to a \
+                             placement folder)",
+                            escape(&walked)
+                        ),
+                    ),
+                    FileType::Unknown => Error::io(&walked, "open directory", e),
+                    other => Error::catalog(
+                        path,
+                        format!("\"{}\" on the way is {}", escape(&walked), kind_of(other)),
+                    ),
+                });
+            }
+            Err(e) => return Err(Error::io(&walked, "open directory", e)),
+        };
+    }
+    Ok(fd)
+}
+
+/// A placement folder opened and proven by its marker (see
+/// [`open_marked`]).
+#[derive(Debug)]
+pub(crate) struct MarkedFolder {
+    /// The root, opened without links.
+    pub(crate) root_fd: OwnedFd,
+    /// The folder (`O_NOFOLLOW | O_DIRECTORY`, relative to `root_fd`).
+    pub(crate) fd: OwnedFd,
+    /// Its `fstat`.
+    pub(crate) stat: rustix::fs::Stat,
+    /// Its marker, which proves it.
+    pub(crate) marker: Marker,
+}
+
+/// Opens the folder `name` of `root` (walked without links, the folder
+/// itself `O_NOFOLLOW`) and proves it by its marker, read from the open
+/// descriptor: a placement folder weightstream made for the model whose
+/// source is `source` ([`Marker::proves`]). Nothing is changed: no mode,
+/// no file. `Err` says why the folder is not proven (for a warning naming
+/// it); the caller checks owner and mode as its use needs.
+pub(crate) fn open_marked(root: &Path, name: &OsStr, source: &Path) -> std::result::Result<MarkedFolder, String> {
+    let path = root.join(name);
+    let root_fd = open_dir_no_links(root).map_err(|e| e.to_string())?;
+    let fd = rustix::fs::openat(
+        &root_fd,
+        name,
         OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
         Mode::empty(),
     )
-    .map_err(|e| Error::io(path, "open directory", e))
+    .map_err(|e| match e {
+        rustix::io::Errno::NOENT => "does not exist".to_string(),
+        rustix::io::Errno::LOOP | rustix::io::Errno::NOTDIR => "is not a directory (or is a symbolic link)".into(),
+        e => format!("cannot be opened ({e})"),
+    })?;
+    let stat = rustix::fs::fstat(&fd).map_err(|e| format!("fstat: {e}"))?;
+    let shown = path.join(MARKER_FILE);
+    let marker = match read_small_at(&fd, MARKER_FILE, &shown) {
+        Ok(Some(b)) => Marker::parse(&shown, &b).map_err(|e| e.to_string())?,
+        Ok(None) => return Err(format!("holds no {MARKER_FILE}")),
+        Err(e) => return Err(e.to_string()),
+    };
+    marker.proves(source, root, name, stat.st_ino)?;
+    Ok(MarkedFolder {
+        root_fd,
+        fd,
+        stat,
+        marker,
+    })
 }
 
 /// What a placement folder says about itself: its marker, its index, a
@@ -580,8 +776,27 @@ impl Placed {
             dir: dir.to_path_buf(),
             index,
         };
+        placed.check_folders()?;
         placed.check_present()?;
         Ok(Some(placed))
+    }
+
+    /// Every folder the index names is proven by its marker (see
+    /// [`prove_root`]): else an error naming it and why.
+    fn check_folders(&self) -> Result<()> {
+        for k in 0..self.index.roots.len() {
+            if let Err(why) = prove_root(&self.index, k) {
+                return Err(Error::catalog(
+                    self.index.folder_of(k),
+                    format!(
+                        "{why}, but the layout index of \"{}\" names it as root {k}: not followed (weightstream \
+                         reads only folders it can prove it made for this model); run `weightstream place` again",
+                        escape(&self.dir)
+                    ),
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// Every file the index names is there, a regular file of its size
@@ -661,6 +876,27 @@ impl Placed {
     }
 }
 
+/// Proves, for a reader, the folder of root `k` of `index`: opened without
+/// following a link ([`open_marked`]), its marker bound to it and naming
+/// the index's source, position `k` of as many roots, and the index's
+/// primary folder; not writable by group or others. `Err` says why not.
+pub(crate) fn prove_root(index: &LayoutIndex, k: usize) -> std::result::Result<(), String> {
+    let r = &index.roots[k];
+    let m = open_marked(r.path.as_path(), index.folder.as_os_str(), index.source.as_path())?;
+    let mode = m.stat.st_mode & 0o7777;
+    if mode & 0o022 != 0 {
+        return Err(format!("it is writable by group or others (mode {mode:04o})"));
+    }
+    let mk = &m.marker;
+    if mk.position != k || mk.n_roots != index.roots.len() || mk.primary.as_path() != index.folder_of(0) {
+        return Err(format!(
+            "its marker says it is root {} of {} of the placement whose primary is \"{}\"",
+            mk.position, mk.n_roots, mk.primary
+        ));
+    }
+    Ok(())
+}
+
 /// The hook [`Model::open`](crate::Model::open) calls first: for a placed model's
 /// primary folder, the configuration its layout index stands for, and the
 /// placement (whose [`listing()`] then gives each directory's shards).
@@ -693,10 +929,10 @@ mod tests {
             layout: LayoutKind::Split,
             source: OsName(OsString::from("/src/m")),
             source_fingerprint: "0".repeat(64),
-            folder: OsName(OsString::from("m-0123456789ab")),
+            folder: OsName(folder_name(Path::new("/src/m"))),
             roots: vec![IndexRoot {
                 path: OsName(OsString::from("/a")),
-                folder: OsName(OsString::from("/a/m-0123456789ab")),
+                folder: OsName(Path::new("/a").join(folder_name(Path::new("/src/m"))).into_os_string()),
             }],
             files: vec![IndexFile {
                 name: OsName(OsString::from("x.safetensors")),
@@ -744,7 +980,11 @@ mod tests {
         j.files[0].root = 3;
         assert!(j.check().unwrap_err().contains("root 3"));
         let mut j = index();
-        j.roots[0].folder = OsName(OsString::from("/elsewhere/m-0123456789ab"));
+        j.roots[0].folder = OsName(
+            Path::new("/elsewhere")
+                .join(folder_name(Path::new("/src/m")))
+                .into_os_string(),
+        );
         assert!(j.check().unwrap_err().contains("is not"));
         let mut j = index();
         j.folder = OsName(OsString::from(".."));

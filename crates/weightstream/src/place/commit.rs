@@ -120,26 +120,106 @@ fn read_index(dir: &SafeDir, name: &str, log: &mut Log) -> Result<Option<LayoutI
     }
 }
 
-/// The folder at `path` in the table, opened (without creating it) when
-/// it is not there yet; `None`, warned, when it is gone or not safe.
-fn find_or_open(dirs: &mut Vec<SafeDir>, path: &Path, log: &mut Log, why: &str) -> Option<usize> {
+/// The folder at `path` in the table, when it is there and proven; else,
+/// when it is not there, opened if its marker proves it this model's
+/// folder ([`SafeDir::open_proven`]: nothing changed). `None`, warned
+/// naming the folder and why, when it is gone or not proven: `what` (its
+/// files) is then left as it is.
+fn find_proven(dirs: &mut Vec<SafeDir>, path: &Path, source: &Path, log: &mut Log, what: &str) -> Option<usize> {
     if let Some(i) = dirs.iter().position(|d| d.path == path) {
-        return Some(i);
-    }
-    let (Some(root), Some(name)) = (path.parent(), path.file_name()) else {
+        if dirs[i].proven {
+            return Some(i);
+        }
+        log.warn(format!(
+            "\"{}\": its marker does not prove it this model's placement folder (it was there before this run, \
+             without a marker bound to it): {what} left as they are",
+            escape(path)
+        ));
         return None;
-    };
-    match SafeDir::open(root, name, false) {
-        Ok(Some(d)) => {
+    }
+    match SafeDir::open_proven(path, source) {
+        Ok(d) => {
             dirs.push(d);
             Some(dirs.len() - 1)
         }
-        Ok(None) => None,
-        Err(e) => {
-            log.warn(format!("{e}; {why} left as they are"));
+        Err(why) => {
+            log.warn(format!(
+                "\"{}\": {why}: {what} left as they are (weightstream changes only folders it can prove it made \
+                 for this model)",
+                escape(path)
+            ));
             None
         }
     }
+}
+
+/// What a previous index recorded of a file it named: its size and the
+/// sha256 of its header (a safetensors file) or of all its bytes (an
+/// extra). A stale copy is deleted only when it still is that file.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+enum Recorded {
+    Header { size: u64, sha256: String },
+    Whole { size: u64, sha256: String },
+}
+
+/// Whether the entry `name` of `dir` is the file `rec` describes: regular
+/// (not followed if a link), of its size, with its header's or its whole
+/// content's sha256. `Err` says why not.
+fn is_recorded(dir: &SafeDir, name: &OsStr, rec: &Recorded) -> std::result::Result<(), String> {
+    use sha2::Digest;
+    use std::io::Read;
+    let fd = rustix::fs::openat(
+        &dir.fd,
+        name,
+        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| format!("cannot be opened ({e})"))?;
+    let st = rustix::fs::fstat(&fd).map_err(|e| format!("fstat: {e}"))?;
+    if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile {
+        return Err("is not a regular file".into());
+    }
+    let (size, want) = match rec {
+        Recorded::Header { size, sha256 } | Recorded::Whole { size, sha256 } => (*size, sha256),
+    };
+    if st.st_size as u64 != size {
+        return Err(format!("is {} bytes, the index recorded {size}", st.st_size));
+    }
+    let file = std::fs::File::from(fd);
+    let shown = dir.path.join(name);
+    let len = match rec {
+        Recorded::Whole { .. } => size,
+        Recorded::Header { .. } => {
+            let mut prefix = [0u8; 8];
+            crate::format::container::read_exact_at(&shown, &file, &mut prefix, 0)
+                .map_err(|e| format!("its header cannot be read ({e})"))?;
+            let n = u64::from_le_bytes(prefix);
+            if n > crate::format::container::MAX_HEADER_LEN || n.saturating_add(8) > size {
+                return Err(format!("its header length {n} does not fit the file"));
+            }
+            n + 8
+        }
+    };
+    let mut h = sha2::Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut left = len;
+    let mut r = (&file).take(len);
+    while left > 0 {
+        let got = r.read(&mut buf).map_err(|e| format!("cannot be read ({e})"))?;
+        if got == 0 {
+            return Err("shrank while it was read".into());
+        }
+        h.update(&buf[..got]);
+        left -= got as u64;
+    }
+    write::drop_all(&file);
+    if &index::hex(&h.finalize()) != want {
+        return Err(match rec {
+            Recorded::Header { .. } => "its header differs from the one the index recorded".into(),
+            Recorded::Whole { .. } => "its content differs from what the index recorded (sha256)".into(),
+        });
+    }
+    Ok(())
 }
 
 /// Whether the file `name` in `dir` is regular, of `out.size` bytes, and
@@ -317,10 +397,36 @@ pub(crate) fn run(cfg: &PlaceConfig) -> Result<PlaceReport> {
         }
         e
     };
+    // Which of this run's folders were there before and are proven this
+    // model's by a marker bound to them: only there (and in the folders
+    // made now) may stale copies be deleted.
+    for (k, d) in dirs.iter_mut().enumerate() {
+        if !d.created {
+            d.proven =
+                matches!(d.marker(), Ok(Some(m)) if m.proves(&source.real, &roots[k].path, &fname, d.ino).is_ok());
+        }
+    }
     let primary = dirs[0].path.clone();
     let mut prevs: Vec<Prev> = Vec::new();
+    // An index in the primary folder that is not this placement's (it
+    // names another folder as its primary: crafted, or copied here) is not
+    // followed: nothing it names is deleted or trusted.
+    let ours = |i: Option<LayoutIndex>, name: &str, log: &mut Log| match i {
+        Some(i) if i.folder_of(0) != primary => {
+            log.warn(format!(
+                "{}: names \"{}\" as its primary folder, not this one: not followed (nothing it names is deleted \
+                 or reused); it is replaced by this run's index",
+                escape(primary.join(name)),
+                escape(i.folder_of(0))
+            ));
+            None
+        }
+        other => other,
+    };
     let committed = read_index(&dirs[0], INDEX_FILE, &mut log).map_err(|e| refuse(&dirs, e))?;
+    let committed = ours(committed, INDEX_FILE, &mut log);
     let parked0 = read_index(&dirs[0], PARKED_FILE, &mut log).map_err(|e| refuse(&dirs, e))?;
+    let parked0 = ours(parked0, PARKED_FILE, &mut log);
     let had_marker0 = dirs[0].marker().ok().flatten().is_some();
     if let Some(i) = committed {
         prevs.push(Prev {
@@ -363,12 +469,37 @@ pub(crate) fn run(cfg: &PlaceConfig) -> Result<PlaceReport> {
         if other == primary || prevs.iter().any(|p| dirs[p.home].path == other) {
             continue;
         }
-        let Some(h) = find_or_open(&mut dirs, &other, &mut log, "the files of that placement are") else {
+        // The marker is untrusted too: the folder it names is read only
+        // when it is this model's folder (its name), proven by its own
+        // marker, as the primary (position 0).
+        if other.file_name() != Some(fname.as_os_str()) {
+            log.warn(format!(
+                "{}: names \"{}\" as the primary folder, which is not a folder of this model: not followed",
+                escape(dirs[k].path.join(MARKER_FILE)),
+                escape(&other)
+            ));
+            continue;
+        }
+        let Some(h) = find_proven(
+            &mut dirs,
+            &other,
+            &source.real,
+            &mut log,
+            "its layout index and the files of that placement are",
+        ) else {
             continue;
         };
+        if !matches!(dirs[h].marker(), Ok(Some(m)) if m.position == 0) {
+            log.warn(format!(
+                "\"{}\": its marker does not say it is a primary folder: its layout index is not followed",
+                escape(&other)
+            ));
+            continue;
+        }
         let mut found = false;
         for (name, parked) in [(INDEX_FILE, false), (PARKED_FILE, true)] {
-            if let Some(i) = read_index(&dirs[h], name, &mut log).map_err(|e| refuse(&dirs[..n], e))? {
+            let read = read_index(&dirs[h], name, &mut log).map_err(|e| refuse(&dirs[..n], e))?;
+            if let Some(i) = read.filter(|i| i.folder_of(0) == other) {
                 found = true;
                 prevs.push(Prev {
                     home: h,
@@ -524,6 +655,7 @@ pub(crate) fn run(cfg: &PlaceConfig) -> Result<PlaceReport> {
             temps_removed.len()
         ));
     }
+    let folder_inos: Vec<u64> = dirs[..n].iter().map(|d| d.ino).collect();
     let marker_of = |k: usize| Marker {
         format: MARKER_FORMAT.into(),
         source: OsName::from(source.real.as_path()),
@@ -532,6 +664,9 @@ pub(crate) fn run(cfg: &PlaceConfig) -> Result<PlaceReport> {
         n_roots: n,
         primary: OsName::from(primary.as_path()),
         layout: cfg.layout,
+        root: Some(OsName::from(roots[k].path.as_path())),
+        folder: Some(OsName(fname.clone())),
+        folder_ino: Some(folder_inos[k]),
     };
     for (k, d) in dirs[..n].iter().enumerate() {
         if defer_marker.contains(&k) {
@@ -597,6 +732,14 @@ pub(crate) fn run(cfg: &PlaceConfig) -> Result<PlaceReport> {
     created.extend(outcome.created.iter().cloned());
     for n in &outcome.notes {
         log.notes.push(n.clone());
+    }
+    if let Some(p) = outcome.panic {
+        let k = remove_temps(&dirs, &created);
+        tracing::warn!(
+            "the progress callback panicked: the writers were stopped and {k} temporary file(s) removed; the layout \
+             index was not touched"
+        );
+        std::panic::resume_unwind(p);
     }
     if let Some(at) = outcome.stopped {
         return Err(stopped(at));
@@ -807,41 +950,62 @@ pub(crate) fn run(cfg: &PlaceConfig) -> Result<PlaceReport> {
         let _ = d.sync();
     }
     let mut deleted: Vec<FileNote> = Vec::new();
-    let mut stale: BTreeSet<(PathBuf, OsString)> = BTreeSet::new();
+    let mut stale: BTreeMap<(PathBuf, OsString), BTreeSet<Recorded>> = BTreeMap::new();
     for p in &prevs {
         for f in &p.index.files {
-            stale.insert((p.index.folder_of(f.root).to_path_buf(), f.name.0.clone()));
+            stale
+                .entry((p.index.folder_of(f.root).to_path_buf(), f.name.0.clone()))
+                .or_default()
+                .insert(Recorded::Header {
+                    size: f.size,
+                    sha256: f.header_sha256.clone(),
+                });
         }
         for e in &p.index.extras {
-            stale.insert((p.index.folder_of(0).to_path_buf(), e.name.0.clone()));
+            stale
+                .entry((p.index.folder_of(0).to_path_buf(), e.name.0.clone()))
+                .or_default()
+                .insert(Recorded::Whole {
+                    size: e.size,
+                    sha256: e.sha256.clone(),
+                });
         }
     }
     let mut touched_dirs = BTreeSet::new();
-    for (folder, name) in stale {
+    for ((folder, name), recorded) in stale {
         let kept = (0..n).any(|k| dirs[k].path == folder && new_index.names(k, &name));
         if kept {
             continue;
         }
-        let Some(j) = find_or_open(&mut dirs, &folder, &mut log, "stale copies there are") else {
+        let Some(j) = find_proven(&mut dirs, &folder, &source.real, &mut log, "stale copies there are") else {
             continue;
         };
         let d = &dirs[j];
         let path = d.path.join(&name);
         let size = match d.stat(&name) {
-            Ok(Some(st)) if FileType::from_raw_mode(st.st_mode) == FileType::RegularFile => st.st_size as u64,
-            Ok(Some(_)) => {
-                log.warn(format!(
-                    "{}: not a regular file, though a previous index named it: left as it is",
-                    escape(&path)
-                ));
-                continue;
-            }
+            Ok(Some(st)) => st.st_size as u64,
             Ok(None) => continue,
             Err(e) => {
                 log.warn(format!("{e}: stale copy left as it is"));
                 continue;
             }
         };
+        // Deleted only when it still is the file weightstream wrote: its
+        // size and the sha256 the index recorded.
+        let mut why = String::new();
+        if !recorded.iter().any(|r| match is_recorded(d, &name, r) {
+            Ok(()) => true,
+            Err(w) => {
+                why = w;
+                false
+            }
+        }) {
+            log.warn(format!(
+                "{}: a previous index named it, but it {why}: not the file weightstream wrote, left as it is",
+                escape(&path)
+            ));
+            continue;
+        }
         match d
             .recheck()
             .map_err(|e| e.to_string())
@@ -860,10 +1024,12 @@ pub(crate) fn run(cfg: &PlaceConfig) -> Result<PlaceReport> {
     for j in touched_dirs {
         let _ = dirs[j].sync();
     }
-    // Old folders left with their marker alone are removed.
+    // Old folders (proven, not this run's) left with their marker alone
+    // are removed: exactly one entry, the marker (an empty or unreadable
+    // folder is not "the marker alone").
     for d in &dirs[n..] {
         if let Ok(entries) = d.entries() {
-            if entries.iter().all(|(name, _, _)| name == MARKER_FILE) {
+            if entries.len() == 1 && entries[0].0 == MARKER_FILE && entries[0].2 == FileType::RegularFile {
                 let _ = unlink(d, OsStr::new(MARKER_FILE));
                 match d.remove_dir() {
                     Ok(()) => log.note(format!("removed the empty placement folder \"{}\"", escape(&d.path))),

@@ -154,18 +154,7 @@ pub(crate) fn check_roots(
     Ok(roots)
 }
 
-/// The per-model folder name: `<basename>-<12 hex of sha256(realpath of
-/// the source)>` (the basename cut to 200 bytes, so the name fits a
-/// filesystem's 255).
-pub fn folder_name(source_real: &Path) -> OsString {
-    let base = source_real.file_name().map_or(&b"model"[..], |b| b.as_bytes());
-    let base = &base[..base.len().min(200)];
-    let digest = index::sha256_hex(source_real.as_os_str().as_bytes());
-    let mut v = base.to_vec();
-    v.push(b'-');
-    v.extend_from_slice(&digest.as_bytes()[..12]);
-    OsString::from_vec(v)
-}
+pub use crate::model::placed::folder_name;
 
 /// A placement folder, verified, open, locked for the run.
 #[derive(Debug)]
@@ -178,9 +167,14 @@ pub(crate) struct SafeDir {
     root_fd: OwnedFd,
     pub fd: OwnedFd,
     dev: u64,
-    ino: u64,
+    /// Its inode (what its marker is bound to).
+    pub ino: u64,
     /// Made by this run (removed again if the run is refused before writing).
     pub created: bool,
+    /// Made by this run, or proven by its marker (read before this run
+    /// rewrote it) to be this model's folder on this root: only in such a
+    /// folder does a placement delete anything.
+    pub proven: bool,
 }
 
 /// Why a folder is not safe to write into, with the way out.
@@ -195,7 +189,7 @@ impl SafeDir {
     /// locks it. `Ok(None)` when missing and not `create`.
     pub(crate) fn open(root: &Path, name: &OsStr, create: bool) -> Result<Option<SafeDir>> {
         let path = root.join(name);
-        let root_fd = index::open_dir(root)?;
+        let root_fd = index::open_dir_no_links(root)?;
         let mut created = false;
         if create {
             match rustix::fs::mkdirat(&root_fd, name, Mode::from_raw_mode(0o700)) {
@@ -246,6 +240,7 @@ impl SafeDir {
             dev: st.st_dev,
             ino: st.st_ino,
             created,
+            proven: created,
         };
         let done = dir
             .check_owner_and_mode(&st)
@@ -256,6 +251,45 @@ impl SafeDir {
             return Err(e);
         }
         Ok(Some(dir))
+    }
+
+    /// Opens the existing placement folder `folder` that a previous layout
+    /// names but this run was not given as a root (a retired primary, a
+    /// root dropped from the layout), only when its marker proves it this
+    /// model's ([`index::open_marked`]: reached without following a link,
+    /// the marker bound to the folder's inode) and it is owned by the
+    /// effective uid with mode `0700`, as weightstream leaves it. Nothing
+    /// is changed (no `fchmod`); the folder is then locked. `Err` says why
+    /// not, for a warning naming it: such a folder is left as it is.
+    pub(crate) fn open_proven(folder: &Path, source: &Path) -> std::result::Result<SafeDir, String> {
+        let (Some(root), Some(name)) = (folder.parent(), folder.file_name()) else {
+            return Err("is not a folder inside a root".into());
+        };
+        let m = index::open_marked(root, name, source)?;
+        let euid = rustix::process::geteuid().as_raw();
+        if m.stat.st_uid != euid {
+            return Err(format!(
+                "is owned by uid {}, not by this user (uid {euid})",
+                m.stat.st_uid
+            ));
+        }
+        let mode = m.stat.st_mode & 0o7777;
+        if mode != 0o700 {
+            return Err(format!("has mode {mode:04o}, not the 0700 weightstream leaves"));
+        }
+        let dir = SafeDir {
+            root: root.to_path_buf(),
+            path: folder.to_path_buf(),
+            name: name.to_os_string(),
+            root_fd: m.root_fd,
+            fd: m.fd,
+            dev: m.stat.st_dev,
+            ino: m.stat.st_ino,
+            created: false,
+            proven: true,
+        };
+        dir.lock().map_err(|e| e.to_string())?;
+        Ok(dir)
     }
 
     fn check_owner_and_mode(&self, st: &rustix::fs::Stat) -> Result<()> {

@@ -96,8 +96,27 @@ pub fn verify(dir: &Path, digest: bool) -> Result<Option<PlacedVerify>> {
     };
     report.layout = Some(idx.layout);
     report.roots = idx.roots.len();
+    // A folder the index names but whose marker does not prove it is not
+    // read (the index is untrusted): a problem, and its files unchecked.
+    let mut proven = Vec::with_capacity(idx.roots.len());
+    for k in 0..idx.roots.len() {
+        match index::prove_root(&idx, k) {
+            Ok(()) => proven.push(true),
+            Err(why) => {
+                report.problems.push(format!(
+                    "root {k} \"{}\": {why}: not read (weightstream reads only folders it can prove it made for \
+                     this model)",
+                    escape(idx.folder_of(k))
+                ));
+                proven.push(false);
+            }
+        }
+    }
     for f in &idx.files {
         let path = idx.folder_of(f.root).join(f.name.as_os_str());
+        if !proven[f.root] {
+            continue;
+        }
         let kind = serde_json::to_value(f.kind)
             .ok()
             .and_then(|v| v.as_str().map(str::to_string))
@@ -115,6 +134,9 @@ pub fn verify(dir: &Path, digest: bool) -> Result<Option<PlacedVerify>> {
     }
     for e in &idx.extras {
         let path = idx.folder_of(0).join(e.name.as_os_str());
+        if !proven[0] {
+            continue;
+        }
         let mut problems = Vec::new();
         match std::fs::symlink_metadata(&path) {
             Ok(m) if !m.file_type().is_file() => problems.push("not a regular file".to_string()),
@@ -147,6 +169,9 @@ pub fn verify(dir: &Path, digest: bool) -> Result<Option<PlacedVerify>> {
         });
     }
     for (k, r) in idx.roots.iter().enumerate() {
+        if !proven[k] {
+            continue;
+        }
         let Ok(rd) = std::fs::read_dir(r.folder.as_path()) else {
             continue;
         };

@@ -273,7 +273,7 @@ pub(crate) struct RootJobs<'a> {
 /// What the writers did: the files written, the temporary files created
 /// (to remove on failure), notes (buffered fallbacks), and the first
 /// error, or that a test hook stopped the run.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub(crate) struct Outcome {
     pub written: Vec<Written>,
     pub created: Vec<(usize, OsString)>,
@@ -281,6 +281,9 @@ pub(crate) struct Outcome {
     pub error: Option<Error>,
     pub stopped: Option<String>,
     pub bytes: u64,
+    /// The progress callback panicked: the writers were stopped at once
+    /// (the caller removes the temporary files, then resumes the panic).
+    pub panic: Option<Box<dyn std::any::Any + Send>>,
 }
 
 enum Event {
@@ -325,6 +328,18 @@ pub(crate) fn write_files(
         hook,
     };
     let mut outcome = Outcome::default();
+    // The caller's callback runs under `catch_unwind`: a panic in it stops
+    // the writers now (cancel), instead of unwinding out of the scope,
+    // which would wait for every file to be written first.
+    let mut report = |outcome: &mut Outcome, bytes: u64, files: usize| {
+        if outcome.panic.is_some() {
+            return;
+        }
+        if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| progress(bytes, files))) {
+            shared.cancel.store(true, Ordering::Relaxed);
+            outcome.panic = Some(p);
+        }
+    };
     let (tx, rx) = mpsc::channel::<Event>();
     std::thread::scope(|s| {
         let mut writers = 0;
@@ -392,7 +407,8 @@ pub(crate) fn write_files(
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
                 Err(mpsc::RecvTimeoutError::Disconnected) => break,
             }
-            progress(
+            report(
+                &mut outcome,
                 shared.bytes.load(Ordering::Relaxed),
                 shared.files.load(Ordering::Relaxed),
             );
@@ -409,7 +425,8 @@ pub(crate) fn write_files(
         }
     });
     outcome.bytes = shared.bytes.load(Ordering::Relaxed);
-    progress(outcome.bytes, shared.files.load(Ordering::Relaxed));
+    let (bytes, files) = (outcome.bytes, shared.files.load(Ordering::Relaxed));
+    report(&mut outcome, bytes, files);
     outcome
 }
 
