@@ -295,3 +295,41 @@ fn enospc_in_the_middle_of_a_copy_leaves_the_previous_index_valid_and_no_tempora
     assert_eq!(r.files_written, 3);
     repaired(&r, &new);
 }
+
+/// A progress callback that panics stops the writers and leaves no
+/// temporary file; the panic reaches the caller with its own payload, and
+/// the previous placement is as it was (before: every file was written
+/// first, then the panic surfaced with the temporary files left behind).
+#[test]
+fn a_panicking_progress_callback_stops_the_writers_and_leaves_no_temporary_file() {
+    let Some(bed) = Bed::new() else { return };
+    common::synth_model(&bed.source, &layered_spec(4));
+    let roots = bed.roots();
+    let first = place::place(&bed.config(&roots, LayoutKind::Mirror)).unwrap();
+    let index_before = std::fs::read(&first.index).unwrap();
+    let sums = source_sums(&bed.source);
+    // A content re-shard (layers): every file is to be written again.
+    let cfg = bed
+        .config(&roots, LayoutKind::Layers)
+        .on_progress(|_| panic!("the caller's progress bar broke"));
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| place::place(&cfg)));
+    let payload = caught.expect_err("the callback's panic reaches the caller");
+    assert_eq!(
+        payload.downcast_ref::<&str>(),
+        Some(&"the caller's progress bar broke"),
+        "the callback's own payload"
+    );
+    for r in &first.roots {
+        assert_eq!(temps(&r.folder), Vec::<String>::new(), "{}", r.folder.display());
+    }
+    assert_eq!(
+        std::fs::read(&first.index).unwrap(),
+        index_before,
+        "the index is untouched"
+    );
+    assert_eq!(
+        digest(&first.primary, "sync"),
+        sums,
+        "the previous placement reads as before"
+    );
+}

@@ -630,6 +630,39 @@ fn shutdown_is_bounded_and_every_ticket_completes() {
     }
 }
 
+/// A timeout too large for the clock (`Duration::MAX`) is no timeout, as
+/// for `wait_timeout` and `Arena::release` (before: "overflow when adding
+/// duration to instant", a panic): every read finishes or is cancelled,
+/// and the report says drained.
+#[test]
+fn shutdown_with_a_timeout_too_large_for_the_clock_drains_like_no_timeout() {
+    let tmp = common::tempdir();
+    let dir = tmp.path().join("model");
+    let s = write_model(&dir);
+    let model = Model::open(ModelConfig::new(&dir)).unwrap();
+    let ex = experts(&model);
+    for backend in common::engine_backend_choices() {
+        let engine = Engine::new(&model, config(backend, 4096, 4096)).unwrap();
+        let arena = engine.arena(spec_for(&model, &ex[0]), ex.len()).unwrap();
+        let tickets: Vec<_> = ex
+            .iter()
+            .map(|t| engine.read(t, arena.take().unwrap()).unwrap())
+            .collect();
+        let report = engine.shutdown(Duration::MAX);
+        assert!(
+            report.drained && report.left_in_flight.is_empty(),
+            "{backend:?}: {report:?}"
+        );
+        for (t, k) in ex.iter().zip(tickets) {
+            assert!(k.is_ready(), "{backend:?}");
+            if let Ok(l) = k.wait() {
+                assert!(synth::verify(s.seed, &t.name, &l));
+            }
+        }
+        assert_eq!(arena.available(), ex.len());
+    }
+}
+
 /// On a drive slower than the timeout, shutdown returns on time and
 /// reports the drive it left with reads in the kernel; those reads'
 /// slots come back only when the kernel is done with them.

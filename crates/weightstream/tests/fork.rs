@@ -5,8 +5,9 @@
 //! dropping the engine or a ticket in the child neither hangs nor panics.
 //! (Before: `wait` hung forever and the engine's drop panicked.)
 //!
-//! One test in this binary, so the child is forked from a process whose
-//! only other threads are the engine's own.
+//! The first test forks from a process whose only other threads are the
+//! engine's own; the third forks while parent threads take and return
+//! slots of the arenas the child then uses.
 
 mod common;
 
@@ -184,6 +185,98 @@ fn a_stream_in_a_forked_child_ends_after_one_forked_error() {
         n += 1;
     }
     assert_eq!(n, model.catalog().tensors().len());
+}
+
+/// `read_into` in a forked child while a parent thread takes and returns
+/// slots of the same arenas at the moment of the fork: on memory lent with
+/// `register_memory` and on an engine's own packed arena, every child gets
+/// `Error::Forked` at once (before: `read_into` took its slot first, so a
+/// child whose parent thread held the arena's lock at fork blocked forever
+/// (32 of 40), and on an engine arena it said "overlap a slot in use"),
+/// and `take_sized` / `take_for` / `available` in the child lock nothing.
+#[test]
+fn read_into_in_a_forked_child_is_refused_first_while_a_parent_thread_uses_the_arena() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let tmp = common::tempdir();
+    let dir = tmp.path().join("model");
+    common::synth_model(
+        &dir,
+        &SynthSpec {
+            layers: 1,
+            experts: 2,
+            expert_bytes: 64 << 10,
+            shards: 1,
+            seed: 0xf1,
+            ..SynthSpec::default()
+        },
+    );
+    let model = Model::open(ModelConfig::new(&dir)).unwrap();
+    let engine = Engine::new(&model, EngineConfig::default()).unwrap();
+    let t = model
+        .tensor("model.layers.0.mlp.experts.0.down_proj.weight")
+        .unwrap()
+        .clone();
+    let len = 4 << 20;
+    let mut lent_mem = vec![0u8; len + 4096];
+    let base = lent_mem.as_mut_ptr().wrapping_add(lent_mem.as_ptr().align_offset(4096));
+    // SAFETY: `lent_mem` outlives the arena (it is released below before the
+    // Vec drops) and nothing else touches it while lent.
+    let lent = unsafe { engine.register_memory(std::ptr::NonNull::new(base).unwrap(), len) }.unwrap();
+    let own = engine.packed_arena(len, false).unwrap();
+    let stop = AtomicBool::new(false);
+    let spec = SlotSpec::new(64 << 10);
+    std::thread::scope(|scope| {
+        for arena in [&lent, &own] {
+            let stop = &stop;
+            scope.spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    for _ in 0..64 {
+                        drop(arena.take_sized(spec));
+                    }
+                    std::thread::yield_now();
+                }
+            });
+        }
+        for round in 0..40 {
+            // SAFETY: the child runs only this crate's refusing paths (and the
+            // allocator, whose fork handlers keep it usable) and `_exit`s.
+            let pid = unsafe { libc::fork() };
+            assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+            if pid == 0 {
+                let parent = std::os::unix::process::parent_id();
+                let forked = |r: weightstream::Result<weightstream::Ticket>| matches!(r, Err(Error::Forked { parent: p, .. }) if p == parent);
+                let mut code = OK;
+                if !forked(engine.read_into(&t, &lent, 4096, weightstream::Scratch::Before)) {
+                    code = 30;
+                } else if !forked(engine.read_into(&t, &own, 0, weightstream::Scratch::None)) {
+                    code = 31;
+                } else if lent.take_sized(spec).is_some() || own.take_for(&t).is_some() {
+                    code = 32;
+                } else if lent.available() != 0 || !own.is_empty() {
+                    code = 33;
+                }
+                // SAFETY: ends the child at once, running no exit handlers.
+                unsafe { libc::_exit(code) };
+            }
+            assert_eq!(
+                exit_code(pid, &format!("read_into in a forked child (round {round})")),
+                OK,
+                "round {round}: child check failed"
+            );
+        }
+        stop.store(true, Ordering::Relaxed);
+    });
+    // The parent goes on: a read into the lent memory lands.
+    let l = engine
+        .read_into(&t, &lent, 4096, weightstream::Scratch::Before)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert!(weightstream_synth::verify(0xf1, l.name(), &l));
+    drop(l);
+    drop(own);
+    assert!(lent.release(Duration::from_secs(30)).is_ok());
+    drop(lent_mem);
 }
 
 /// Waits up to 30 s for child `pid` and returns its exit code; panics

@@ -74,6 +74,9 @@ impl Engine {
     /// slot of `memory` in use (a read in flight, a `Loaded` held): that is
     /// an error, not a wait.
     pub fn read_into(&self, tensor: &TensorRef, memory: &Arena, at: usize, scratch: Scratch) -> Result<Ticket> {
+        // First: in a forked child nothing below may lock (a parent thread
+        // may have held the arena's lock at fork) or take a slot.
+        self.origin.check()?;
         let len = usize::try_from(tensor.len)
             .map_err(|_| Error::Config(format!("tensor {}: {} bytes do not fit usize", tensor.name, tensor.len)))?;
         let end = at.checked_add(len).filter(|&e| e <= memory.bytes()).ok_or_else(|| {

@@ -365,7 +365,8 @@ impl Engine {
     ///
     /// Dropping an engine instead waits for every read, however long.
     pub fn shutdown(mut self, timeout: std::time::Duration) -> ShutdownReport {
-        let deadline = std::time::Instant::now() + timeout;
+        // A timeout too large for the clock (`Duration::MAX`) is no timeout.
+        let deadline = std::time::Instant::now().checked_add(timeout);
         if self.origin.forked() {
             return ShutdownReport {
                 drained: false,
@@ -384,7 +385,7 @@ impl Engine {
         let mut left = Vec::new();
         for (d, io) in self.drives.iter_mut().enumerate() {
             let threads = std::mem::take(&mut io.threads);
-            while threads.iter().any(|t| !t.is_finished()) && std::time::Instant::now() < deadline {
+            while threads.iter().any(|t| !t.is_finished()) && deadline.is_none_or(|d| std::time::Instant::now() < d) {
                 std::thread::sleep(std::time::Duration::from_millis(1));
             }
             if threads.iter().all(|t| t.is_finished()) {

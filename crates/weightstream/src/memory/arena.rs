@@ -189,6 +189,16 @@ impl Mapping {
         self.region.dontfork && self.origin.forked()
     }
 
+    /// Whether this is a forked child of the process that made the
+    /// mapping: there no slot is handed out and no lock of the arena is
+    /// taken (a parent thread may have held it at fork, and it would never
+    /// be released here), whatever memory the arena is over (its own,
+    /// `MADV_DONTFORK`, or lent by the caller, which the child may still
+    /// have).
+    fn in_child(&self) -> bool {
+        self.origin.forked()
+    }
+
     fn new(region: Region, carve: Carve, node: Option<usize>) -> Arc<Self> {
         Arc::new(Mapping {
             id: NEXT_ARENA_ID.fetch_add(1, Ordering::Relaxed),
@@ -385,10 +395,12 @@ impl Arena {
         self.map.id
     }
 
-    /// Number of slots of a fixed arena; slots out right now of a packed one.
+    /// Number of slots of a fixed arena; slots out right now of a packed one
+    /// (0 in a forked child, which locks nothing of an arena).
     pub fn len(&self) -> usize {
         match &self.map.carve {
             Carve::Fixed { count, .. } => *count,
+            Carve::Packed { .. } if self.map.in_child() => 0,
             Carve::Packed { extents, .. } => lock(extents).used_count(),
         }
     }
@@ -441,7 +453,12 @@ impl Arena {
     }
 
     /// Slots not handed out right now (fixed arenas); free bytes (packed).
+    /// 0 in a forked child (which takes nothing from an arena, and locks
+    /// none).
     pub fn available(&self) -> usize {
+        if self.map.in_child() {
+            return 0;
+        }
         match &self.map.carve {
             Carve::Fixed { free, .. } => lock(free).len(),
             Carve::Packed { extents, .. } => lock(extents).free_bytes(),
@@ -449,10 +466,11 @@ impl Arena {
     }
 
     /// Takes a free slot of a fixed arena, or `None` when all are out (or in
-    /// a forked child, where the slots' pages are not mapped). A packed arena
+    /// a forked child, where no lock of the arena is taken and no slot
+    /// handed out, whatever memory it is over). A packed arena
     /// has no slot size of its own: use [`Arena::take_sized`].
     pub fn take(&self) -> Option<Slot> {
-        if self.map.unmapped_here() {
+        if self.map.in_child() {
             return None;
         }
         match &self.map.carve {
@@ -470,7 +488,7 @@ impl Arena {
     /// free extent holds it. A fixed arena hands out its own slots if `spec`
     /// fits them. An invalid spec is `None` (see [`SlotSpec::validate`]).
     pub fn take_sized(&self, spec: SlotSpec) -> Option<Slot> {
-        if self.map.unmapped_here() {
+        if self.map.in_child() {
             return None;
         }
         match &self.map.carve {
@@ -491,6 +509,9 @@ impl Arena {
     /// offset within an O_DIRECT block is known, so only that much scratch
     /// is reserved before it (a fixed arena: one of its slots, if it fits).
     pub fn take_for(&self, tensor: &crate::format::catalog::TensorRef) -> Option<Slot> {
+        if self.map.in_child() {
+            return None;
+        }
         let align = match &self.map.carve {
             Carve::Fixed { spec, .. } => spec.align,
             Carve::Packed { align, .. } => *align,
@@ -500,9 +521,6 @@ impl Arena {
         match &self.map.carve {
             Carve::Fixed { .. } => self.take_sized(spec),
             Carve::Packed { extents, .. } => {
-                if self.map.unmapped_here() {
-                    return None;
-                }
                 let want = in_place_bytes(tensor.offset, tensor.len, align)?;
                 let (offset, len) = lock(extents).take(want)?;
                 Some(self.slot_at(offset, len, spec, false))
@@ -516,7 +534,7 @@ impl Arena {
     /// before it: such a read goes buffered, counted); otherwise it lands
     /// `file offset % spec.align` bytes in, as in every other slot.
     pub(crate) fn take_at(&self, offset: usize, len: usize, spec: SlotSpec, exact: bool) -> Option<Slot> {
-        if self.map.unmapped_here() {
+        if self.map.in_child() {
             return None;
         }
         let Carve::Packed { extents, .. } = &self.map.carve else {
