@@ -1,7 +1,7 @@
 //! Placed models read back as their source (issue 13): `mirror`, `split`
 //! and `layers` placements of
 //!
-//! - the Python reference model (`crates/weightstream/tests/reference/ref_digest.py`: the
+//! - the Python reference model (`tests/reference/ref_digest.py`: the
 //!   reference writer's shards, odd and empty tensors, and a hand-made file
 //!   whose header length is odd), and
 //! - a synthetic MoE model with decoder layers (written by the `safetensors`
@@ -10,7 +10,7 @@
 //! open from the primary folder alone (no `--dirs`, `--mirror` or
 //! environment), and give the reference reader's sha256 for every tensor on
 //! every backend (io_uring, pread, sync); the reference reader also reads
-//! every placed file itself (`crates/weightstream/tests/reference/ref_read.py`), so the layer
+//! every placed file itself (`tests/reference/ref_read.py`), so the layer
 //! files are in its format. Copies are byte for byte; the layout is what
 //! the rules say (mirror: every shard on every root; split: each once,
 //! balanced; layers: layer i on root i mod N, extras on root 0); writing

@@ -1,4 +1,4 @@
-//! Helpers shared by the placement tests (`crates/weightstream-cli/tests/place_*.rs`): a source
+//! Helpers shared by the placement tests (`crates/cli/tests/place_*.rs`): a source
 //! model and two roots on two volumes, the reference reader over placed
 //! files, page-cache residency, tiny loop filesystems.
 
@@ -70,7 +70,7 @@ pub fn layered_spec(seed: u64) -> SynthSpec {
     }
 }
 
-/// The reference reader (`crates/weightstream/tests/reference/ref_read.py`) over `dirs`: one
+/// The reference reader (`tests/reference/ref_read.py`) over `dirs`: one
 /// `(name, sha256)` per tensor per file. `None` (SKIP printed) without the
 /// reference, unless `WEIGHTSTREAM_REQUIRE_REFERENCE=1`.
 pub fn ref_read(dirs: &[&Path]) -> Option<Vec<(String, String)>> {

@@ -1649,7 +1649,7 @@ mod tests {
     fn rusage_counts_io_wq_workers() {
         // On the project's disk (as the integration tests), not a tmpfs /tmp
         // that refuses O_DIRECT.
-        let base = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/tmp");
+        let base = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/tmp");
         std::fs::create_dir_all(&base).unwrap();
         let dir = tempfile::Builder::new()
             .prefix("ws-ceiling-")

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The reference reader over files someone else wrote, for
-crates/weightstream-cli/tests/place_*.rs.
+crates/cli/tests/place_*.rs.
 
 Usage: ref_read.py DIR [DIR...]
 

@@ -10,14 +10,21 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// The repository's root (both test crates live two folders below it).
+/// The repository's root: the nearest folder at or above the including
+/// crate's manifest that holds the workspace's `Cargo.lock` (the library
+/// is the root package; the command's tests, which include this file, are
+/// in `crates/cli`).
 pub fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+    let here = Path::new(env!("CARGO_MANIFEST_DIR"));
+    here.ancestors()
+        .find(|d| d.join("Cargo.lock").is_file())
+        .unwrap_or(here)
+        .to_path_buf()
 }
 
 /// The library's `tests/` folder: reference scripts and fixtures.
 pub fn lib_tests_dir() -> PathBuf {
-    repo_root().join("crates/weightstream/tests")
+    repo_root().join("tests")
 }
 
 /// A fresh directory under Cargo's per-target temp dir (same filesystem as

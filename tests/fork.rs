@@ -237,6 +237,15 @@ fn read_into_in_a_forked_child_is_refused_first_while_a_parent_thread_uses_the_a
                 }
             });
         }
+        // The hammers stop when this scope's body ends, by a failed
+        // check too (a panic here must not leave the scope waiting on them).
+        struct StopOnDrop<'a>(&'a AtomicBool);
+        impl Drop for StopOnDrop<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::Relaxed);
+            }
+        }
+        let _stop = StopOnDrop(&stop);
         for round in 0..40 {
             // SAFETY: the child runs only this crate's refusing paths (and the
             // allocator, whose fork handlers keep it usable) and `_exit`s.
@@ -264,7 +273,6 @@ fn read_into_in_a_forked_child_is_refused_first_while_a_parent_thread_uses_the_a
                 "round {round}: child check failed"
             );
         }
-        stop.store(true, Ordering::Relaxed);
     });
     // The parent goes on: a read into the lent memory lands.
     let l = engine

@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
-#[path = "../../../weightstream/tests/common/mod.rs"]
+#[path = "../../../../tests/common/mod.rs"]
 mod lib_common;
 pub use lib_common::*;
 
