@@ -7,9 +7,9 @@ use std::sync::Arc;
 use crate::engine::backend::ring::{MAX_FIXED_BUFFERS, MAX_FIXED_BUFFER_BYTES};
 use crate::engine::completion;
 use crate::engine::queue::Control;
-use crate::engine::start::memlock_limit;
 use crate::engine::sync::lock_std as lock;
 use crate::engine::{Backend, Engine};
+use crate::memory::region::memlock_limit;
 use crate::memory::{Arena, Slot};
 
 /// An arena registered as fixed buffers: its pieces (`Arena::pieces`, at

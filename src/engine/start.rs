@@ -16,6 +16,7 @@ use crate::engine::router::Router;
 use crate::engine::{stop, Backend, DriveIo, Engine};
 use crate::error::{Error, Result};
 use crate::fork::Origin;
+use crate::memory::region::memlock_limit;
 use crate::model::Model;
 use crate::plan::chunk;
 use crate::stats::Feature;
@@ -400,11 +401,6 @@ fn spawn_error(model: &Model, e: std::io::Error) -> Error {
         "start an I/O thread",
         std::io::Error::new(e.kind(), format!("{e}{hint}")),
     )
-}
-
-pub(crate) fn memlock_limit() -> (Option<u64>, Option<u64>) {
-    let l = rustix::process::getrlimit(rustix::process::Resource::Memlock);
-    (l.current, l.maximum)
 }
 
 #[cfg(test)]

@@ -8,7 +8,8 @@ use crate::engine::{Engine, Loaded};
 use crate::error::{Error, Result};
 use crate::format::catalog::TensorRef;
 use crate::load::waitset::WaitSet;
-use crate::memory::arena::{in_place_bytes, page_size, round_up};
+use crate::memory::arena::{in_place_bytes, round_up};
+use crate::memory::region::page_size;
 use crate::memory::Arena;
 
 /// Tensors read in the order given and yielded as they complete, staged in

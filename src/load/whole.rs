@@ -13,7 +13,8 @@ use crate::format::element::Element;
 use crate::load::layout::{self, Item};
 use crate::load::waitset::WaitSet;
 use crate::load::{LoadOptions, LoadProgress, Order};
-use crate::memory::arena::{page_size, PIECE};
+use crate::memory::arena::PIECE;
+use crate::memory::region::page_size;
 use crate::memory::{Arena, SlotSpec};
 
 /// How a whole-model load went: where the time went, and how each payload

@@ -25,7 +25,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::error::{Error, Result};
 use crate::memory::carve::Extents;
-use crate::memory::region::Region;
+use crate::memory::region::{page_size, Region};
 
 /// The shape of every slot in an arena.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -136,10 +136,6 @@ pub fn round_up(x: usize, align: usize) -> Option<usize> {
 }
 
 static NEXT_ARENA_ID: AtomicU64 = AtomicU64::new(1);
-
-pub(crate) fn page_size() -> usize {
-    rustix::param::page_size()
-}
 
 /// The largest range registered as one fixed buffer (the kernel's limit):
 /// an arena is registered in pieces of at most this, and a slot inside one

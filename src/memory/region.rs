@@ -7,7 +7,19 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use crate::error::{Error, Result};
-use crate::memory::arena::page_size;
+
+/// The system page size (what every mapping and slot is aligned to at
+/// least).
+pub(crate) fn page_size() -> usize {
+    rustix::param::page_size()
+}
+
+/// `RLIMIT_MEMLOCK` (soft, hard; `None`: unlimited): what registering
+/// (pinning) memory with io_uring counts against.
+pub(crate) fn memlock_limit() -> (Option<u64>, Option<u64>) {
+    let l = rustix::process::getrlimit(rustix::process::Resource::Memlock);
+    (l.current, l.maximum)
+}
 
 /// The memory of one arena: an anonymous private mapping, `MADV_DONTFORK`
 /// (under Miri: a page-aligned, zeroed heap allocation). Released on drop.

@@ -212,7 +212,7 @@ fn is_recorded(dir: &SafeDir, name: &OsStr, rec: &Recorded) -> std::result::Resu
         h.update(&buf[..got]);
         left -= got as u64;
     }
-    write::drop_all(&file);
+    crate::storage::files::drop_all_pages(&file);
     if &index::hex(&h.finalize()) != want {
         return Err(match rec {
             Recorded::Header { .. } => "its header differs from the one the index recorded".into(),
@@ -251,14 +251,14 @@ fn same_on_disk(dir: &SafeDir, out: &Output) -> Result<std::result::Result<(), S
         (&file)
             .read_to_end(&mut buf)
             .map_err(|e| Error::io(&shown, "read", e))?;
-        write::drop_all(&file);
+        crate::storage::files::drop_all_pages(&file);
         return Ok((index::sha256_hex(&buf) == out.header_sha256)
             .then_some(())
             .ok_or_else(|| "its sha256 differs".to_string()));
     }
     let mut raw = vec![0u8; out.raw.len()];
     let r = crate::format::container::read_exact_at(&shown, &file, &mut raw, 0);
-    write::drop_all(&file);
+    crate::storage::files::drop_all_pages(&file);
     match r {
         Ok(()) if raw == out.raw => Ok(Ok(())),
         Ok(()) => Ok(Err("its header differs".into())),

@@ -84,7 +84,7 @@ pub(crate) fn scan(dir: &Path) -> Result<Source> {
         let (file, _) = open_regular(&path, true).map_err(|r| r.into_error(&path))?;
         let header = ShardHeader::read(&path, &file)?;
         // The header was read buffered: drop it and its read-ahead.
-        super::write::drop_all(&file);
+        crate::storage::files::drop_all_pages(&file);
         let m = file.metadata().map_err(|e| Error::io(&path, "fstat", e))?;
         shards.push(SrcShard {
             info: ShardInfo {

@@ -152,7 +152,7 @@ pub fn verify(dir: &Path, digest: bool) -> Result<Option<PlacedVerify>> {
                         Ok(_) => {}
                         Err(err) => problems.push(format!("cannot be read ({err})")),
                     }
-                    super::write::drop_all(&file);
+                    crate::storage::files::drop_all_pages(&file);
                 }
                 Err(r) => problems.push(format!("cannot be opened ({r})")),
             },
@@ -220,7 +220,7 @@ fn check_file(idx: &LayoutIndex, f: &index::IndexFile, path: &Path, digest: bool
         p.push(format!("header cannot be read ({e})"));
         return;
     }
-    super::write::drop_all(&file);
+    crate::storage::files::drop_all_pages(&file);
     let sha = index::sha256_hex(&raw);
     if sha != f.header_sha256 {
         p.push(format!(

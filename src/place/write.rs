@@ -43,6 +43,7 @@ use super::{Hook, Step};
 use crate::error::{escape, Error, Result};
 use crate::format::container::ShardHeader;
 use crate::memory::{Arena, Slot, SlotSpec};
+use crate::storage::files::drop_all_pages;
 use crate::storage::files::drop_pages;
 use crate::storage::files::pread_full;
 use crate::storage::open::{self as catalog, libc_flags};
@@ -170,7 +171,7 @@ impl SrcFile {
         }
         let got = pread_full(&self.buffered, &mut buf[done..want], off + done as u64)
             .map_err(|e| Error::io(&self.path, "read", e))?;
-        drop_all(&self.buffered);
+        drop_all_pages(&self.buffered);
         if done + got < want {
             return Err(self.changed(off + (done + got) as u64));
         }
@@ -187,13 +188,6 @@ impl SrcFile {
             ),
         )
     }
-}
-
-/// Drops every cached page of `file`: a buffered read pulls read-ahead
-/// pages past the range asked for, so dropping only that range leaves some.
-pub(crate) fn drop_all(file: &File) {
-    // Advisory: a failure costs only cache, never bytes.
-    let _ = rustix::fs::fadvise(file, 0, None, rustix::fs::Advice::DontNeed);
 }
 
 fn round_up(v: u64, a: u64) -> u64 {
@@ -819,7 +813,7 @@ fn finish(out: &Output, o: &Open) -> Result<()> {
     }
     let mut back = vec![0u8; out.raw.len()];
     crate::format::container::read_exact_at(&o.shown, &o.file, &mut back, 0)?;
-    drop_all(&o.file);
+    drop_all_pages(&o.file);
     if back != out.raw {
         return Err(Error::catalog(
             &o.shown,
@@ -869,7 +863,7 @@ pub(crate) fn write_extra(dir: &SafeDir, source: &Source, out: &Output) -> Resul
                     h.update(&buf[..k]);
                     n += k as u64;
                 }
-                drop_all(&src);
+                drop_all_pages(&src);
                 Ok(n)
             }
             _ => Ok(0),
@@ -877,7 +871,7 @@ pub(crate) fn write_extra(dir: &SafeDir, source: &Source, out: &Output) -> Resul
     })();
     let done = r.and_then(|n| {
         rustix::fs::fsync(&f).map_err(|e| Error::io(&shown, "fsync", e))?;
-        drop_all(&f);
+        drop_all_pages(&f);
         if n != out.size {
             return Err(Error::catalog(
                 &shown,

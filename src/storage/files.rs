@@ -256,6 +256,12 @@ pub(crate) fn drop_pages(file: &File, off: u64, len: u64) {
     let _ = rustix::fs::fadvise(file, off, std::num::NonZeroU64::new(len), rustix::fs::Advice::DontNeed);
 }
 
+/// Drops every cached page of `file` (after a buffered read or write of
+/// it: read-ahead brings in pages past the range asked for).
+pub(crate) fn drop_all_pages(file: &File) {
+    drop_pages(file, 0, 0);
+}
+
 /// `pread` until `buf` is full or end of file; returns the bytes read.
 /// EINTR is retried; any other error is returned.
 pub(crate) fn pread_full(file: &File, buf: &mut [u8], off: u64) -> std::io::Result<usize> {
