@@ -129,6 +129,11 @@ pub(crate) fn output_file(s: &str) -> Result<PathBuf, String> {
     if !parent.is_dir() {
         return Err(format!("{}: its directory {} does not exist", escape(&p), escape(parent)));
     }
+    // Writable now (as far as access(2) says), so a long run does not end
+    // refused at its last step.
+    let target = if p.exists() { p.as_path() } else { parent };
+    rustix::fs::access(target, rustix::fs::Access::WRITE_OK)
+        .map_err(|e| format!("{}: not writable: {e}", escape(target)))?;
     Ok(p)
 }
 

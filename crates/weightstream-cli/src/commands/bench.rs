@@ -75,7 +75,8 @@ pub(crate) fn bench_cmd(
             "{} experts, concurrency {}, median of {} runs; ceiling {:.2} GB/s",
             r.tensors, r.concurrency, r.runs, r.ceiling_gbps
         );
-        std::fs::write(p, plot::bars_svg(&title, "GB/s", &bars, Some(r.ceiling_gbps)))?;
+        std::fs::write(p, plot::bars_svg(&title, "GB/s", &bars, Some(r.ceiling_gbps)))
+            .map_err(|e| format!("bench: --plot {}: write the chart: {e}", weightstream::escape(p)))?;
     }
     if json {
         println!("{}", serde_json::to_string_pretty(&r)?);

@@ -24,7 +24,7 @@ pub(crate) fn digest(
         chosen.extend(cat.tensors().iter());
     } else {
         for n in &names {
-            chosen.push(model.tensor(n)?);
+            chosen.push(model.tensor(n).map_err(|e| format!("digest: --tensor {n:?}: {e}"))?);
         }
         chosen.sort_by(|a, b| a.name.cmp(&b.name));
         chosen.dedup_by(|a, b| a.name == b.name);
