@@ -48,9 +48,14 @@ pub(crate) fn load_align(s: &str) -> Result<usize, String> {
 
 /// Seconds, above 0 and at most an hour (`ceiling --seconds`).
 pub(crate) fn seconds(s: &str) -> Result<f64, String> {
-    let v: f64 = s.trim().parse().map_err(|_| format!("{s:?}: expected seconds, such as 0.5"))?;
+    let v: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?}: expected seconds, such as 0.5"))?;
     if !(v.is_finite() && v > 0.0 && v <= 3600.0) {
-        return Err(format!("{v} is outside the accepted range: above 0, at most 3600 seconds"));
+        return Err(format!(
+            "{v} is outside the accepted range: above 0, at most 3600 seconds"
+        ));
     }
     Ok(v)
 }
@@ -127,7 +132,11 @@ pub(crate) fn output_file(s: &str) -> Result<PathBuf, String> {
         _ => Path::new("."),
     };
     if !parent.is_dir() {
-        return Err(format!("{}: its directory {} does not exist", escape(&p), escape(parent)));
+        return Err(format!(
+            "{}: its directory {} does not exist",
+            escape(&p),
+            escape(parent)
+        ));
     }
     // Writable now (as far as access(2) says), so a long run does not end
     // refused at its last step.
@@ -147,7 +156,9 @@ pub(crate) fn read_bounded(path: &Path, max: u64, what: &str) -> Result<Vec<u8>,
         .custom_flags(libc::O_NONBLOCK)
         .open(path)
         .map_err(|e| format!("{}: open {what}: {e}", escape(path)))?;
-    let m = f.metadata().map_err(|e| format!("{}: fstat {what}: {e}", escape(path)))?;
+    let m = f
+        .metadata()
+        .map_err(|e| format!("{}: fstat {what}: {e}", escape(path)))?;
     if !m.is_file() {
         return Err(format!(
             "{}: {what} is {}, not a regular file: refused",
@@ -204,7 +215,10 @@ pub(crate) fn memory_room() -> (u64, String) {
         );
     }
     if let Some((max, cur, name)) = cgroup_memory() {
-        least(max.saturating_sub(cur), format!("cgroup {name} {max} bytes, {cur} in use"));
+        least(
+            max.saturating_sub(cur),
+            format!("cgroup {name} {max} bytes, {cur} in use"),
+        );
     }
     room
 }
@@ -253,7 +267,11 @@ pub(crate) fn volume_room(path: &Path) -> Option<(u64, PathBuf)> {
 /// A small kernel file's text (at most 64 KiB read).
 fn small_text(path: &Path) -> Option<String> {
     let mut s = String::new();
-    std::fs::File::open(path).ok()?.take(64 << 10).read_to_string(&mut s).ok()?;
+    std::fs::File::open(path)
+        .ok()?
+        .take(64 << 10)
+        .read_to_string(&mut s)
+        .ok()?;
     Some(s)
 }
 
@@ -298,10 +316,14 @@ mod tests {
         let f = d.path().join("f");
         std::fs::write(&f, b"x").unwrap();
         assert!(existing_dir(d.path().to_str().unwrap()).is_ok());
-        assert!(existing_dir(f.to_str().unwrap()).unwrap_err().contains("a regular file, not a directory"));
+        assert!(existing_dir(f.to_str().unwrap())
+            .unwrap_err()
+            .contains("a regular file, not a directory"));
         assert!(existing_file("/dev/zero").unwrap_err().contains("character device"));
         assert!(existing_file("").unwrap_err().contains("empty path"));
-        assert!(output_file("/no/such/dir/x.svg").unwrap_err().contains("does not exist"));
+        assert!(output_file("/no/such/dir/x.svg")
+            .unwrap_err()
+            .contains("does not exist"));
         assert!(output_dir(f.to_str().unwrap()).is_err());
     }
 

@@ -62,7 +62,11 @@ struct Cmd {
 
 fn tree() -> Vec<Cmd> {
     let out = common::run(&[OsStr::new("cli-tree")]);
-    assert!(out.status.success(), "cli-tree: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "cli-tree: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("cli-tree prints JSON");
     let s = |v: &serde_json::Value| v.as_str().map(String::from);
     v["commands"]
@@ -393,9 +397,9 @@ fn names_argument(msg: &str, a: &Arg, value: Option<&OsStr>) -> bool {
         [format!("'{v}'"), format!("\"{v}\""), format!("{v:?}")]
             .iter()
             .any(|q| msg.contains(q.as_str()))
-            || msg.match_indices(&format!("{v}:")).any(|(i, _)| {
-                i == 0 || matches!(msg.as_bytes()[i - 1], b' ' | b'\n' | b'(' | b'\'' | b'"')
-            })
+            || msg
+                .match_indices(&format!("{v}:"))
+                .any(|(i, _)| i == 0 || matches!(msg.as_bytes()[i - 1], b' ' | b'\n' | b'(' | b'\'' | b'"'))
             || msg.contains(&format!("{v} is "))
     })
 }
@@ -431,7 +435,11 @@ fn every_argument_of_every_command_survives_hostile_values() {
             let Some(tok) = line.split_whitespace().find(|w| w.starts_with("--")) else {
                 continue;
             };
-            let flag = tok.trim_start_matches("--").split(['=', '<', '[', ',', '.']).next().unwrap();
+            let flag = tok
+                .trim_start_matches("--")
+                .split(['=', '<', '[', ',', '.'])
+                .next()
+                .unwrap();
             assert!(
                 cmd.args.iter().any(|a| a.long.as_deref() == Some(flag)),
                 "`{name} --help` lists --{flag}, the tree does not"
@@ -511,8 +519,9 @@ fn every_argument_of_every_command_survives_hostile_values() {
             } else {
                 refused += 1;
                 match &case.arg {
-                    None => (!refused_baseline.contains_key(case.cmd.as_str()))
-                        .then(|| "the baseline failed".to_string()),
+                    None => {
+                        (!refused_baseline.contains_key(case.cmd.as_str())).then(|| "the baseline failed".to_string())
+                    }
                     Some((a, _)) => {
                         let env = refused_baseline.contains_key(case.cmd.as_str())
                             && o.stderr.contains("weightstream: error:");
@@ -532,5 +541,10 @@ fn every_argument_of_every_command_survives_hostile_values() {
         cmds.len(),
         t0.elapsed().as_secs_f64()
     );
-    assert!(failures.is_empty(), "{} case(s) failed:\n{}", failures.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} case(s) failed:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }

@@ -89,7 +89,10 @@ fn gen_refuses_absurd_sizes_by_flag_before_building_anything() {
         OsStr::new("5760"),
     ]);
     let e = refused(&out, "gen --expert-bytes 5760");
-    assert!(e.contains("--size") && e.contains("experts per layer, more than 4096"), "{e}");
+    assert!(
+        e.contains("--size") && e.contains("experts per layer, more than 4096"),
+        "{e}"
+    );
     assert!(!out_dir.exists(), "nothing is written");
 }
 
@@ -105,7 +108,10 @@ fn verify_against_reads_no_unbounded_record() {
         OsStr::new("/dev/zero"),
     ]);
     let e = refused(&out, "verify --against /dev/zero");
-    assert!(e.contains("--against") && e.contains("/dev/zero") && e.contains("character device"), "{e}");
+    assert!(
+        e.contains("--against") && e.contains("/dev/zero") && e.contains("character device"),
+        "{e}"
+    );
     // A regular file over the bound: its size and the bound named, unread.
     let big = tmp.path().join("big.json");
     std::fs::File::create(&big).unwrap().set_len(8 << 30).unwrap();
@@ -138,7 +144,10 @@ fn load_of_nothing_is_an_error_naming_the_filter() {
             OsStr::new(method),
         ]);
         let e = refused(&out, &format!("load --name nosuch --method {method}"));
-        assert!(e.contains("--name \"nosuch\"") && e.contains("no tensor name contains"), "{e}");
+        assert!(
+            e.contains("--name \"nosuch\"") && e.contains("no tensor name contains"),
+            "{e}"
+        );
         assert!(out.stdout.is_empty(), "no report of nothing");
     }
 }

@@ -174,7 +174,10 @@ fn filters_order_and_progress() {
         .unwrap();
     assert_eq!(experts_only.len(), 3 * 3, "3 experts x gate, up, down");
     // An empty selection is an error naming the filter, never a load of nothing.
-    let none = e.load_all(&LoadOptions::new().names_containing(["no such"])).unwrap_err().to_string();
+    let none = e
+        .load_all(&LoadOptions::new().names_containing(["no such"]))
+        .unwrap_err()
+        .to_string();
     assert!(
         none.contains("no tensor selected") && none.contains("names_containing [\"no such\"]"),
         "{none}"

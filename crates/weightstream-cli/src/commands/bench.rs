@@ -30,7 +30,12 @@ pub(crate) fn bench_cmd(
     let model = Model::open(layout.config(&dir, None)?)?;
     // Checked before any arm runs: a filter that matches nothing, and an
     // order (every pass of every match) too long to hold.
-    let matched = model.catalog().tensors().iter().filter(|t| t.name.contains(&filter)).count();
+    let matched = model
+        .catalog()
+        .tensors()
+        .iter()
+        .filter(|t| t.name.contains(&filter))
+        .count();
     if matched == 0 {
         return Err(format!(
             "bench: --filter {filter:?}: no tensor name contains it (the model in {} has {} tensor(s))",

@@ -243,7 +243,10 @@ fn map(spec: SlotSpec, count: usize, populate: bool) -> Result<(Region, usize)> 
         })?;
     let what = || {
         (
-            format!("an arena of {count} slot(s) of {slot_len} bytes (capacity {})", spec.capacity),
+            format!(
+                "an arena of {count} slot(s) of {slot_len} bytes (capacity {})",
+                spec.capacity
+            ),
             "the SlotSpec's capacity and the slot count (Arena::new, Engine::arena)".to_string(),
         )
     };

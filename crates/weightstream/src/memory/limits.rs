@@ -18,7 +18,11 @@ pub(crate) fn describe() -> String {
     let vm = status_kib("VmSize:");
     let locked = status_kib("VmLck:");
     let mut parts = vec![
-        rlimit("RLIMIT_AS", Resource::As, vm.map(|k| format!("{} bytes mapped now", k * 1024))),
+        rlimit(
+            "RLIMIT_AS",
+            Resource::As,
+            vm.map(|k| format!("{} bytes mapped now", k * 1024)),
+        ),
         rlimit("RLIMIT_DATA", Resource::Data, None),
         rlimit(
             "RLIMIT_MEMLOCK",

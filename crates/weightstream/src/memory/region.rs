@@ -85,7 +85,9 @@ impl Region {
         .map_err(|e| {
             let (mut what, set_by) = what();
             if map_len != len {
-                what.push_str(&format!(" (mapped as {map_len} bytes: room to start on a 2 MiB boundary)"));
+                what.push_str(&format!(
+                    " (mapped as {map_len} bytes: room to start on a 2 MiB boundary)"
+                ));
             }
             Error::Alloc {
                 what,
