@@ -79,50 +79,64 @@ fn kind(ft: std::fs::FileType) -> &'static str {
     }
 }
 
-/// The metadata of `s` (links followed), or why not; never opens it.
-fn stat(s: &str) -> Result<(PathBuf, Option<std::fs::Metadata>), String> {
-    if s.is_empty() {
+/// The metadata of `p` (links followed), or why not; never opens it.
+fn stat(p: &Path) -> Result<Option<std::fs::Metadata>, String> {
+    if p.as_os_str().is_empty() {
         return Err("an empty path".into());
     }
-    let p = PathBuf::from(s);
-    match std::fs::metadata(&p) {
-        Ok(m) => Ok((p, Some(m))),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok((p, None)),
-        Err(e) => Err(format!("{}: {e}", escape(&p))),
+    match std::fs::metadata(p) {
+        Ok(m) => Ok(Some(m)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(format!("{}: {e}", escape(p))),
     }
 }
 
-/// A directory that must exist (a model to read).
-pub(crate) fn existing_dir(s: &str) -> Result<PathBuf, String> {
-    match stat(s)? {
-        (p, Some(m)) if m.is_dir() => Ok(p),
-        (p, Some(m)) => Err(format!("{} is {}, not a directory", escape(&p), kind(m.file_type()))),
-        (p, None) => Err(format!("{}: no such directory", escape(&p))),
-    }
+/// A path argument checked by `check` (any bytes: a name need not be
+/// UTF-8); clap names the argument when it is refused.
+fn path_parser(check: fn(PathBuf) -> Result<PathBuf, String>) -> impl clap::builder::TypedValueParser<Value = PathBuf> {
+    use clap::builder::TypedValueParser;
+    clap::builder::OsStringValueParser::new().try_map(move |s| check(PathBuf::from(s)))
+}
+
+/// A model directory or a file to read: any path but an empty one. What
+/// it is, is the library's to say (it opens nothing that blocks, refuses
+/// what is not a directory or a regular file, and names the path), with
+/// the command's plain failure.
+pub(crate) fn non_empty_path() -> impl clap::builder::TypedValueParser<Value = PathBuf> {
+    path_parser(|p| {
+        if p.as_os_str().is_empty() {
+            return Err("an empty path".into());
+        }
+        Ok(p)
+    })
 }
 
 /// A regular file that must exist (read, never a FIFO or a device).
-pub(crate) fn existing_file(s: &str) -> Result<PathBuf, String> {
-    match stat(s)? {
-        (p, Some(m)) if m.is_file() => Ok(p),
-        (p, Some(m)) => Err(format!("{} is {}, not a regular file", escape(&p), kind(m.file_type()))),
-        (p, None) => Err(format!("{}: no such file", escape(&p))),
-    }
+pub(crate) fn existing_file() -> impl clap::builder::TypedValueParser<Value = PathBuf> {
+    path_parser(|p| match stat(&p)? {
+        Some(m) if m.is_file() => Ok(p),
+        Some(m) => Err(format!("{} is {}, not a regular file", escape(&p), kind(m.file_type()))),
+        None => Err(format!("{}: no such file", escape(&p))),
+    })
 }
 
 /// A directory to write into: a directory, or nothing yet.
-pub(crate) fn output_dir(s: &str) -> Result<PathBuf, String> {
-    match stat(s)? {
-        (p, Some(m)) if !m.is_dir() => Err(format!("{} is {}, not a directory", escape(&p), kind(m.file_type()))),
-        (p, _) => Ok(p),
-    }
+pub(crate) fn output_dir() -> impl clap::builder::TypedValueParser<Value = PathBuf> {
+    path_parser(|p| match stat(&p)? {
+        Some(m) if !m.is_dir() => Err(format!("{} is {}, not a directory", escape(&p), kind(m.file_type()))),
+        _ => Ok(p),
+    })
 }
 
 /// A file to write: a regular file or nothing yet, in a directory that
-/// exists (checked now, so a long run does not fail at its end).
-pub(crate) fn output_file(s: &str) -> Result<PathBuf, String> {
-    let (p, m) = stat(s)?;
-    if let Some(m) = m {
+/// exists and is writable (checked now, so a long run does not fail at its
+/// end).
+pub(crate) fn output_file() -> impl clap::builder::TypedValueParser<Value = PathBuf> {
+    path_parser(check_output_file)
+}
+
+fn check_output_file(p: PathBuf) -> Result<PathBuf, String> {
+    if let Some(m) = stat(&p)? {
         if !m.is_file() {
             return Err(format!("{} is {}, not a regular file", escape(&p), kind(m.file_type())));
         }
@@ -290,6 +304,7 @@ pub(crate) fn alloc_flags(e: weightstream::Error, flags: &str) -> weightstream::
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::ffi::OsStrExt;
 
     #[test]
     fn sizes_outside_the_range_are_refused_naming_it() {
@@ -312,19 +327,34 @@ mod tests {
 
     #[test]
     fn paths_are_checked_without_opening() {
+        use clap::builder::TypedValueParser;
+        let cmd = clap::Command::new("t");
         let d = tempfile::tempdir().unwrap();
         let f = d.path().join("f");
         std::fs::write(&f, b"x").unwrap();
-        assert!(existing_dir(d.path().to_str().unwrap()).is_ok());
-        assert!(existing_dir(f.to_str().unwrap())
-            .unwrap_err()
-            .contains("a regular file, not a directory"));
-        assert!(existing_file("/dev/zero").unwrap_err().contains("character device"));
-        assert!(existing_file("").unwrap_err().contains("empty path"));
-        assert!(output_file("/no/such/dir/x.svg")
+        let dir = |v: &Path| {
+            non_empty_path()
+                .parse_ref(&cmd, None, v.as_os_str())
+                .map_err(|e| e.to_string())
+        };
+        let file = |v: &Path| {
+            existing_file()
+                .parse_ref(&cmd, None, v.as_os_str())
+                .map_err(|e| e.to_string())
+        };
+        assert!(dir(d.path()).is_ok());
+        assert!(dir(Path::new("")).unwrap_err().contains("empty path"));
+        assert!(file(Path::new("/dev/zero")).unwrap_err().contains("character device"));
+        assert!(file(Path::new("")).unwrap_err().contains("empty path"));
+        assert!(check_output_file("/no/such/dir/x.svg".into())
             .unwrap_err()
             .contains("does not exist"));
-        assert!(output_dir(f.to_str().unwrap()).is_err());
+        let out = output_dir().parse_ref(&cmd, None, f.as_os_str());
+        assert!(out.is_err());
+        // A name that is not UTF-8 is a path like any other.
+        let odd = d.path().join(std::ffi::OsStr::from_bytes(b"m\xff"));
+        std::fs::create_dir(&odd).unwrap();
+        assert_eq!(dir(&odd).unwrap(), odd);
     }
 
     #[test]

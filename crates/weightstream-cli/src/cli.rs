@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use clap::{Parser, Subcommand, ValueEnum};
 use weightstream::{DirectMode, IoPoll, LayoutKind, RoutePolicy, SubmitMode, Weights};
 
-use crate::args::{bytes_in, count, existing_dir, existing_file, load_align, output_dir, output_file, seconds};
+use crate::args::{bytes_in, count, existing_file, load_align, non_empty_path, output_dir, output_file, seconds};
 use crate::bench::Arm;
 use crate::ceiling::{Buffers, Submit};
 
@@ -48,7 +48,7 @@ pub(crate) struct Cli {
 pub(crate) enum Cmd {
     /// Shards, tensors, bytes, and for each file its filesystem, device, O_DIRECT alignment and whether O_DIRECT opens.
     Inspect {
-        #[arg(value_parser = existing_dir)]
+        #[arg(value_parser = non_empty_path())]
         model_dir: PathBuf,
         #[command(flatten)]
         layout: LayoutArgs,
@@ -60,7 +60,7 @@ pub(crate) enum Cmd {
     },
     /// sha256 of every tensor (or the named ones), read through the in-place path; sha256sum format, sorted by name.
     Digest {
-        #[arg(value_parser = existing_dir)]
+        #[arg(value_parser = non_empty_path())]
         model_dir: PathBuf,
         /// Only these tensors (repeatable).
         #[arg(long = "tensor")]
@@ -82,14 +82,14 @@ pub(crate) enum Cmd {
     /// tensor's sha256). Exit status 0: nothing changed; 1: something changed (each file named with what
     /// changed); 2: the check could not run.
     Verify {
-        #[arg(value_parser = existing_dir)]
+        #[arg(value_parser = non_empty_path())]
         model_dir: PathBuf,
         /// Hash every tensor of every copy (reads the whole model, buffered, page cache dropped after).
         #[arg(long)]
         digest: bool,
         /// A report saved by an earlier `verify --json` (with --digest, to compare payloads too); a regular
         /// file of at most 256 MiB.
-        #[arg(long, value_parser = existing_file)]
+        #[arg(long, value_parser = existing_file())]
         against: Option<PathBuf>,
         #[command(flatten)]
         layout: LayoutArgs,
@@ -102,7 +102,7 @@ pub(crate) enum Cmd {
     /// a private per-model folder; files are written O_DIRECT under temporary names, then the layout index is
     /// committed. Re-running is a no-op when every file is proven identical. Open the printed primary folder.
     Place {
-        #[arg(value_parser = existing_dir)]
+        #[arg(value_parser = non_empty_path())]
         src_dir: PathBuf,
         /// The roots, primary first, `;`-separated: existing directories, one per drive.
         #[arg(long = "to", value_name = "ROOT[;ROOT...]", value_parser = parse_roots)]
@@ -124,8 +124,8 @@ pub(crate) enum Cmd {
     /// inline or async submission, plain or registered buffers) on each drive alone, the best and the
     /// configuration that reached it per drive, then all drives at once with their best.
     Ceiling {
-        /// Files to read (regular files, O_DIRECT).
-        #[arg(required = true, value_parser = existing_file)]
+        /// Files to read (regular files, O_DIRECT; anything else is refused before it is read).
+        #[arg(required = true, value_parser = non_empty_path())]
         paths: Vec<PathBuf>,
         /// 8 configurations, up to 1 GiB or 0.25 s each (default: 32, up to 2 GiB or 0.5 s each).
         #[arg(long)]
@@ -162,7 +162,7 @@ pub(crate) enum Cmd {
     /// memory and page-cache growth: weightstream's load_all (one mapping, payloads aligned for their
     /// dtype, O_DIRECT in place), or the loaders it replaces, for comparison.
     Load {
-        #[arg(value_parser = existing_dir)]
+        #[arg(value_parser = non_empty_path())]
         model_dir: PathBuf,
         /// weightstream (load_all), safetensors-mmap (memmap2 + the safetensors crate + to_vec of every
         /// tensor, as candle-style loaders do), fs-read (std::fs::read of each shard, tensors borrowed from
@@ -204,7 +204,7 @@ pub(crate) enum Cmd {
     /// The model must fit on the target volume and its largest tensor in memory: checked before anything is
     /// written.
     Gen {
-        #[arg(value_parser = output_dir)]
+        #[arg(value_parser = output_dir())]
         model_dir: PathBuf,
         /// Approximate total size (1 byte to 1 PiB; with --expert-bytes, at most 4096 experts per layer).
         #[arg(long, default_value = "4GiB", value_parser = bytes_in(1, MAX_SIZE, 1))]
@@ -228,7 +228,7 @@ pub(crate) enum Cmd {
     /// Read every expert in a seeded random order through several arms, interleaved, cold cache; ratios to the
     /// ceiling and to fio's best in the same run.
     Bench {
-        #[arg(value_parser = existing_dir)]
+        #[arg(value_parser = non_empty_path())]
         model_dir: PathBuf,
         /// Arms, in the order they run each round (ceiling, fio, engine, engine-hash, engine-stripe,
         /// engine-adaptive, pread, buffered, mmap).
@@ -268,7 +268,7 @@ pub(crate) enum Cmd {
         #[arg(long, value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
         timeline_ms: Option<u64>,
         /// Write a bar chart of GB/s per arm (SVG).
-        #[arg(long, value_parser = output_file)]
+        #[arg(long, value_parser = output_file())]
         plot: Option<PathBuf>,
         #[arg(long)]
         json: bool,
@@ -279,9 +279,9 @@ pub(crate) enum Cmd {
     #[command(hide = true)]
     Plot {
         /// The JSON spec (a regular file of at most 16 MiB).
-        #[arg(value_parser = existing_file)]
+        #[arg(value_parser = existing_file())]
         spec: PathBuf,
-        #[arg(value_parser = output_file)]
+        #[arg(value_parser = output_file())]
         out: PathBuf,
     },
     /// The command line's own definition as JSON: every command, its arguments and their values (for the
@@ -291,7 +291,7 @@ pub(crate) enum Cmd {
     /// Write a synthetic MoE model, read every expert through weightstream, verify every byte, remove it.
     Demo {
         /// Where to write the model (default: a temporary directory).
-        #[arg(long, value_parser = output_dir)]
+        #[arg(long, value_parser = output_dir())]
         dir: Option<PathBuf>,
         /// Approximate model size (e.g. 300MB, 1GiB; at least one 4-layer expert set, about 20 MB, is written;
         /// it must fit on the volume).
