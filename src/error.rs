@@ -207,6 +207,23 @@ pub enum Error {
     /// A configuration value was refused.
     #[error("{0}")]
     Config(String),
+    /// The kernel refused the memory for an arena: the bytes asked for,
+    /// the limits in force, and what sets the size.
+    #[error("{what}: mmap of {bytes} bytes refused: {source}; limits in force: {limits}; the size is set by {set_by}")]
+    Alloc {
+        /// What the memory was for (`an arena of 8 slots of 1052672 bytes`).
+        what: String,
+        /// Bytes asked of the kernel.
+        bytes: usize,
+        /// The limits that can refuse it (RLIMIT_AS, RLIMIT_DATA,
+        /// RLIMIT_MEMLOCK, the memory cgroup), with their values.
+        limits: String,
+        /// The option (or the command's flag) that sets the size.
+        set_by: String,
+        /// The kernel's answer.
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 impl Error {
@@ -215,6 +232,28 @@ impl Error {
             path: path.into(),
             op,
             source: source.into(),
+        }
+    }
+
+    /// For an [`Error::Alloc`]: says instead that `set_by` sets the size (a
+    /// caller that knows which of its options asked for it); any other
+    /// error is returned as it is.
+    pub fn size_set_by(self, set_by: impl Into<String>) -> Self {
+        match self {
+            Error::Alloc {
+                what,
+                bytes,
+                limits,
+                source,
+                ..
+            } => Error::Alloc {
+                what,
+                bytes,
+                limits,
+                set_by: set_by.into(),
+                source,
+            },
+            e => e,
         }
     }
 

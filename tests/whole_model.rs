@@ -173,8 +173,23 @@ fn filters_order_and_progress() {
         )
         .unwrap();
     assert_eq!(experts_only.len(), 3 * 3, "3 experts x gate, up, down");
-    let none = e.load_all(&LoadOptions::new().names_containing(["no such"])).unwrap();
-    assert!(none.is_empty() && none.total_bytes() == 0);
+    // An empty selection is an error naming the filter, never a load of nothing.
+    let none = e
+        .load_all(&LoadOptions::new().names_containing(["no such"]))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        none.contains("no tensor selected") && none.contains("names_containing [\"no such\"]"),
+        "{none}"
+    );
+    let none = e
+        .load_all(&LoadOptions::new().filter(|_| false))
+        .unwrap_err()
+        .to_string();
+    assert!(none.contains("no tensor selected by LoadOptions::filter"), "{none}");
+    let none: Vec<&weightstream::TensorRef> = Vec::new();
+    let err = e.stream(none, 1 << 20).map(|_| ()).unwrap_err().to_string();
+    assert!(err.contains("stream: no tensor given"), "{err}");
 
     // Largest first, with progress on this thread, monotone, ending at the total.
     let seen: Arc<Mutex<Vec<LoadProgress>>> = Arc::default();

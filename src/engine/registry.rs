@@ -9,7 +9,7 @@ use crate::engine::completion;
 use crate::engine::queue::Control;
 use crate::engine::sync::lock_std as lock;
 use crate::engine::{Backend, Engine};
-use crate::memory::region::memlock_limit;
+use crate::memory::limits::memlock_limit;
 use crate::memory::{Arena, Slot};
 
 /// An arena registered as fixed buffers: its pieces (`Arena::pieces`, at

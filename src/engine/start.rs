@@ -16,7 +16,7 @@ use crate::engine::router::Router;
 use crate::engine::{stop, Backend, DriveIo, Engine};
 use crate::error::{Error, Result};
 use crate::fork::Origin;
-use crate::memory::region::memlock_limit;
+use crate::memory::limits::memlock_limit;
 use crate::model::Model;
 use crate::plan::chunk;
 use crate::stats::Feature;

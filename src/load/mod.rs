@@ -213,6 +213,22 @@ impl LoadOptions {
             && self.predicate.as_ref().is_none_or(|p| p(tensor))
     }
 
+    /// What this load selects by, in words, for an error that found
+    /// nothing: the name parts, the predicate, or neither (every tensor).
+    pub(crate) fn selection(&self) -> String {
+        let names = (!self.names.is_empty()).then(|| {
+            let parts: Vec<String> = self.names.iter().map(|n| format!("{n:?}")).collect();
+            format!("LoadOptions::names_containing [{}]", parts.join(", "))
+        });
+        let pred = self.predicate.is_some().then(|| "LoadOptions::filter".to_string());
+        match (names, pred) {
+            (Some(n), Some(p)) => format!("{n} and {p}"),
+            (Some(n), None) => n,
+            (None, Some(p)) => p,
+            (None, None) => "no filter (every tensor)".to_string(),
+        }
+    }
+
     /// The alignment asked for with [`LoadOptions::align`] (0: none).
     pub fn alignment(&self) -> usize {
         self.align

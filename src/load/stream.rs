@@ -84,7 +84,8 @@ impl Engine {
     /// arena of `budget` bytes (rounded up to the page), yielding each as
     /// its read completes. See [`TensorStream`].
     ///
-    /// A tensor whose slot (its payload, the `file offset % block` bytes
+    /// No tensor at all is an error (an empty selection is a mistake in the
+    /// filter that made it). A tensor whose slot (its payload, the `file offset % block` bytes
     /// before it, rounded up to the page) is larger than the budget is an
     /// error naming it and both sizes, before anything is read. The staging
     /// arena is registered with the rings like [`Engine::packed_arena`]
@@ -103,6 +104,15 @@ impl Engine {
             .ok_or_else(|| Error::Config(format!("stream: a budget of {budget} bytes (must be 1 to isize::MAX)")))?;
         self.check_origin()?;
         let queue: VecDeque<TensorRef> = tensors.into_iter().map(|t| t.borrow().clone()).collect();
+        if queue.is_empty() {
+            // An empty selection is a mistake in the caller's filter, never
+            // a stream that ends before it starts.
+            return Err(Error::Config(format!(
+                "stream: no tensor given (the tensors passed to Engine::stream are empty; the model in {} has {})",
+                crate::error::escape(self.model().catalog().dir()),
+                self.model().catalog().tensors().len()
+            )));
+        }
         for t in &queue {
             // Refused before any arithmetic on its fields: a reference of
             // another model (or one edited by hand) names another file.
@@ -119,7 +129,9 @@ impl Engine {
                 )));
             }
         }
-        let arena = self.packed_arena(room, false)?;
+        let arena = self
+            .packed_arena(room, false)
+            .map_err(|e| e.size_set_by(format!("Engine::stream's budget ({budget} bytes)")))?;
         Ok(TensorStream {
             engine: self,
             arena,

@@ -252,6 +252,16 @@ impl Engine {
         opts.check()?;
         let model = self.model();
         let mut chosen: Vec<&TensorRef> = model.catalog().tensors().iter().filter(|t| opts.selects(t)).collect();
+        if chosen.is_empty() {
+            // Nothing to load is a mistake in the filter, never a load of
+            // nothing (with rates per GB of nothing).
+            return Err(Error::Config(format!(
+                "load_all: no tensor selected by {} (the model in {} has {} tensor(s))",
+                opts.selection(),
+                crate::error::escape(model.catalog().dir()),
+                model.catalog().tensors().len()
+            )));
+        }
         match opts.order {
             Order::File => chosen.sort_by_key(|t| (t.shard, t.offset, t.index)),
             Order::Size => chosen.sort_by(|a, b| b.len.cmp(&a.len).then((a.shard, a.offset).cmp(&(b.shard, b.offset)))),
@@ -277,10 +287,18 @@ impl Engine {
             ))
         })?;
         let arena = if opts.register {
-            self.packed_arena(plan.bytes, opts.populate)?
+            self.packed_arena(plan.bytes, opts.populate)
         } else {
-            Arena::packed(plan.bytes, block, opts.populate)?
-        };
+            Arena::packed(plan.bytes, block, opts.populate)
+        }
+        .map_err(|e| {
+            e.size_set_by(format!(
+                "load_all's selection: {} tensor(s) of {total_bytes} payload bytes laid out in {} bytes ({}; LoadOptions::align)",
+                chosen.len(),
+                plan.bytes,
+                opts.selection()
+            ))
+        })?;
         let arena_seconds = t0.elapsed().as_secs_f64();
 
         let n = chosen.len();

@@ -247,7 +247,16 @@ fn map(spec: SlotSpec, count: usize, populate: bool) -> Result<(Region, usize)> 
                 isize::MAX
             ))
         })?;
-    Ok((Region::new(len, populate)?, slot_len))
+    let what = || {
+        (
+            format!(
+                "an arena of {count} slot(s) of {slot_len} bytes (capacity {})",
+                spec.capacity
+            ),
+            "the SlotSpec's capacity and the slot count (Arena::new, Engine::arena)".to_string(),
+        )
+    };
+    Ok((Region::new(len, populate, &what)?, slot_len))
 }
 
 /// Page-aligned memory payloads land in, carved into slots: either `count`
@@ -343,7 +352,13 @@ impl Arena {
             .filter(|&l| l <= isize::MAX as usize)
             .ok_or_else(|| Error::Config(format!("a packed arena of {bytes} bytes exceeds isize::MAX")))?;
         SlotSpec::new(0).with_align(align).validate()?;
-        let region = Region::new(len, populate)?;
+        let what = || {
+            (
+                format!("a packed arena of {len} bytes"),
+                "the byte count asked for (Arena::packed, Engine::packed_arena)".to_string(),
+            )
+        };
+        let region = Region::new(len, populate, &what)?;
         Ok(Arena::packed_over(region, align, None))
     }
 

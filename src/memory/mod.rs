@@ -4,6 +4,7 @@
 
 pub(crate) mod arena;
 pub(crate) mod carve;
+pub(crate) mod limits;
 pub(crate) mod region;
 
 pub(crate) use arena::SlotRange;

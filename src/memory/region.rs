@@ -14,13 +14,6 @@ pub(crate) fn page_size() -> usize {
     rustix::param::page_size()
 }
 
-/// `RLIMIT_MEMLOCK` (soft, hard; `None`: unlimited): what registering
-/// (pinning) memory with io_uring counts against.
-pub(crate) fn memlock_limit() -> (Option<u64>, Option<u64>) {
-    let l = rustix::process::getrlimit(rustix::process::Resource::Memlock);
-    (l.current, l.maximum)
-}
-
 /// The memory of one arena: an anonymous private mapping, `MADV_DONTFORK`
 /// (under Miri: a page-aligned, zeroed heap allocation). Released on drop.
 pub(crate) struct Region {
@@ -77,7 +70,7 @@ impl Region {
     /// caps the segments of a request (virtio-blk: 254, so a 1 MiB read into
     /// 4 KiB pages is split in two); registering them pins fewer pages.
     #[cfg(not(miri))]
-    pub(crate) fn new(len: usize, populate: bool) -> Result<Region> {
+    pub(crate) fn new(len: usize, populate: bool, what: &dyn Fn() -> (String, String)) -> Result<Region> {
         use rustix::mm::{Advice, MapFlags, ProtFlags};
         let huge = len >= HUGE_PAGE;
         // Room to align the start to a huge page, trimmed off below.
@@ -94,7 +87,21 @@ impl Region {
                 MapFlags::PRIVATE,
             )
         }
-        .map_err(|e| Error::io("<anonymous arena>", "mmap", e))?;
+        .map_err(|e| {
+            let (mut what, set_by) = what();
+            if map_len != len {
+                what.push_str(&format!(
+                    " (mapped as {map_len} bytes: room to start on a 2 MiB boundary)"
+                ));
+            }
+            Error::Alloc {
+                what,
+                bytes: len,
+                limits: crate::memory::limits::describe(),
+                set_by,
+                source: e.into(),
+            }
+        })?;
         let base = raw as usize;
         let start = if huge { base.next_multiple_of(HUGE_PAGE) } else { base };
         if huge {
@@ -204,7 +211,7 @@ impl Region {
     /// Miri cannot model mmap or madvise: the same geometry from the global
     /// allocator, page-aligned and zeroed like a fresh anonymous mapping.
     #[cfg(miri)]
-    pub(crate) fn new(len: usize, _populate: bool) -> Result<Region> {
+    pub(crate) fn new(len: usize, _populate: bool, _what: &dyn Fn() -> (String, String)) -> Result<Region> {
         let layout = std::alloc::Layout::from_size_align(len, page_size())
             .map_err(|e| Error::Config(format!("an arena of {len} bytes: {e}")))?;
         // SAFETY: the layout's size is non-zero (`len` > 0, checked by `map`).

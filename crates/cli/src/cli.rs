@@ -6,8 +6,29 @@ use std::path::PathBuf;
 use clap::{Parser, Subcommand, ValueEnum};
 use weightstream::{DirectMode, IoPoll, LayoutKind, RoutePolicy, SubmitMode, Weights};
 
+use crate::args::{bytes_in, count, existing_file, load_align, non_empty_path, output_dir, output_file, seconds};
 use crate::bench::Arm;
 use crate::ceiling::{Buffers, Submit};
+
+/// The most of anything one run counts (runs, passes, layers): far above
+/// any real use, far below what would exhaust memory.
+pub(crate) const MAX_LAYERS: u64 = 1024;
+/// Experts per layer, at most.
+pub(crate) const MAX_EXPERTS: u64 = 4096;
+/// Chunks or reads in flight, at most (the engine's own queue-depth cap).
+pub(crate) const MAX_DEPTH: u64 = 4096;
+/// Bench runs and passes, at most.
+pub(crate) const MAX_RUNS: u64 = 1000;
+/// The largest size flag (`--size`, `--bytes`): 1 PiB.
+pub(crate) const MAX_SIZE: u64 = 1 << 50;
+/// One expert projection of `gen`, at most: 4 GiB.
+pub(crate) const MAX_EXPERT_BYTES: u64 = 4 << 30;
+/// The smallest expert projection of `gen`: one row of the hidden size
+/// (2880 BF16 elements); sizes are rounded down to whole rows.
+pub(crate) const MIN_EXPERT_BYTES: u64 = 2 * 2880;
+/// A chunk or a ceiling block: 4 KiB to 1 GiB, a multiple of 4 KiB.
+pub(crate) const MIN_BLOCK: u64 = 4096;
+pub(crate) const MAX_BLOCK: u64 = 1 << 30;
 
 #[derive(Parser)]
 #[command(
@@ -27,6 +48,7 @@ pub(crate) struct Cli {
 pub(crate) enum Cmd {
     /// Shards, tensors, bytes, and for each file its filesystem, device, O_DIRECT alignment and whether O_DIRECT opens.
     Inspect {
+        #[arg(value_parser = non_empty_path())]
         model_dir: PathBuf,
         #[command(flatten)]
         layout: LayoutArgs,
@@ -38,6 +60,7 @@ pub(crate) enum Cmd {
     },
     /// sha256 of every tensor (or the named ones), read through the in-place path; sha256sum format, sorted by name.
     Digest {
+        #[arg(value_parser = non_empty_path())]
         model_dir: PathBuf,
         /// Only these tensors (repeatable).
         #[arg(long = "tensor")]
@@ -59,12 +82,14 @@ pub(crate) enum Cmd {
     /// tensor's sha256). Exit status 0: nothing changed; 1: something changed (each file named with what
     /// changed); 2: the check could not run.
     Verify {
+        #[arg(value_parser = non_empty_path())]
         model_dir: PathBuf,
         /// Hash every tensor of every copy (reads the whole model, buffered, page cache dropped after).
         #[arg(long)]
         digest: bool,
-        /// A report saved by an earlier `verify --json` (with --digest, to compare payloads too).
-        #[arg(long)]
+        /// A report saved by an earlier `verify --json` (with --digest, to compare payloads too); a regular
+        /// file of at most 256 MiB.
+        #[arg(long, value_parser = existing_file())]
         against: Option<PathBuf>,
         #[command(flatten)]
         layout: LayoutArgs,
@@ -77,6 +102,7 @@ pub(crate) enum Cmd {
     /// a private per-model folder; files are written O_DIRECT under temporary names, then the layout index is
     /// committed. Re-running is a no-op when every file is proven identical. Open the printed primary folder.
     Place {
+        #[arg(value_parser = non_empty_path())]
         src_dir: PathBuf,
         /// The roots, primary first, `;`-separated: existing directories, one per drive.
         #[arg(long = "to", value_name = "ROOT[;ROOT...]", value_parser = parse_roots)]
@@ -98,19 +124,21 @@ pub(crate) enum Cmd {
     /// inline or async submission, plain or registered buffers) on each drive alone, the best and the
     /// configuration that reached it per drive, then all drives at once with their best.
     Ceiling {
-        #[arg(required = true)]
+        /// Files to read (regular files, O_DIRECT; anything else is refused before it is read).
+        #[arg(required = true, value_parser = non_empty_path())]
         paths: Vec<PathBuf>,
         /// 8 configurations, up to 1 GiB or 0.25 s each (default: 32, up to 2 GiB or 0.5 s each).
         #[arg(long)]
         quick: bool,
-        /// Block sizes to try, comma-separated (e.g. 1MiB,4MiB); each dimension given replaces the sweep's values.
-        #[arg(long, value_delimiter = ',', value_parser = parse_bytes)]
+        /// Block sizes to try, comma-separated (e.g. 1MiB,4MiB; 4 KiB to 1 GiB, multiples of 4096); each
+        /// dimension given replaces the sweep's values (at most 4096 configurations in all).
+        #[arg(long, value_delimiter = ',', value_parser = bytes_in(MIN_BLOCK, MAX_BLOCK, 4096))]
         bs: Vec<u64>,
-        /// Reads in flight per reader, comma-separated (e.g. 16,64).
-        #[arg(long, value_delimiter = ',')]
+        /// Reads in flight per reader, comma-separated (e.g. 16,64; 1 to 4096).
+        #[arg(long, value_delimiter = ',', value_parser = count(1, MAX_DEPTH))]
         qd: Vec<usize>,
-        /// Reader threads per drive, each with its own ring (e.g. 1,2).
-        #[arg(long, value_delimiter = ',')]
+        /// Reader threads per drive, each with its own ring (e.g. 1,2; 1 to 64).
+        #[arg(long, value_delimiter = ',', value_parser = count(1, 64))]
         readers: Vec<usize>,
         /// inline and/or async (IOSQE_ASYNC on every read, fio --force_async=1).
         #[arg(long, value_enum, value_delimiter = ',')]
@@ -118,11 +146,11 @@ pub(crate) enum Cmd {
         /// plain and/or fixed (registered buffers, ReadFixed; fio --fixedbufs=1).
         #[arg(long, value_enum, value_delimiter = ',')]
         buffers: Vec<Buffers>,
-        /// Byte cap per configuration and drive (files are read round again if smaller).
-        #[arg(long, value_parser = parse_bytes)]
+        /// Byte cap per configuration and drive (files are read round again if smaller; 1 byte to 1 PiB).
+        #[arg(long, value_parser = bytes_in(1, MAX_SIZE, 1))]
         bytes: Option<u64>,
-        /// Time cap per configuration, seconds.
-        #[arg(long)]
+        /// Time cap per configuration, seconds (above 0, at most 3600).
+        #[arg(long, value_parser = seconds)]
         seconds: Option<f64>,
         /// Read into 4 KiB pages (as fio's default buffers) instead of huge pages (MADV_HUGEPAGE).
         #[arg(long)]
@@ -134,17 +162,18 @@ pub(crate) enum Cmd {
     /// memory and page-cache growth: weightstream's load_all (one mapping, payloads aligned for their
     /// dtype, O_DIRECT in place), or the loaders it replaces, for comparison.
     Load {
+        #[arg(value_parser = non_empty_path())]
         model_dir: PathBuf,
         /// weightstream (load_all), safetensors-mmap (memmap2 + the safetensors crate + to_vec of every
         /// tensor, as candle-style loaders do), fs-read (std::fs::read of each shard, tensors borrowed from
         /// it), mmap (mapped, every page touched, nothing copied: the pages stay in the page cache).
         #[arg(long, value_enum, default_value = "weightstream")]
         method: LoadMethod,
-        /// Only tensors whose name contains one of these (repeatable).
+        /// Only tensors whose name contains one of these (repeatable); none matching is an error.
         #[arg(long = "name")]
         names: Vec<String>,
         /// Every payload's address a multiple of this too (a power of two, at most 4096; weightstream only).
-        #[arg(long, default_value_t = 0)]
+        #[arg(long, default_value_t = 0, value_parser = load_align)]
         align: usize,
         /// The order tensors are laid out and read in (weightstream only).
         #[arg(long, value_enum, default_value = "file")]
@@ -172,20 +201,26 @@ pub(crate) enum Cmd {
         json: bool,
     },
     /// Write a synthetic MoE model (safetensors' own serializer; deterministic content from a seed).
+    /// The model must fit on the target volume and its largest tensor in memory: checked before anything is
+    /// written.
     Gen {
+        #[arg(value_parser = output_dir())]
         model_dir: PathBuf,
-        /// Approximate total size.
-        #[arg(long, default_value = "4GiB", value_parser = parse_bytes)]
+        /// Approximate total size (1 byte to 1 PiB; with --expert-bytes, at most 4096 experts per layer).
+        #[arg(long, default_value = "4GiB", value_parser = bytes_in(1, MAX_SIZE, 1))]
         size: u64,
-        #[arg(long, default_value_t = 8)]
+        /// Decoder layers (1 to 1024).
+        #[arg(long, default_value_t = 8, value_parser = count(1, MAX_LAYERS))]
         layers: usize,
-        /// Experts per layer (default: from --size).
-        #[arg(long)]
+        /// Experts per layer (1 to 4096; default: from --size).
+        #[arg(long, value_parser = count(1, MAX_EXPERTS))]
         experts: Option<usize>,
-        /// Bytes of each expert projection (gate, up, down).
-        #[arg(long, default_value = "19MiB", value_parser = parse_bytes)]
+        /// Bytes of each expert projection (gate, up, down): 5760 (one row of 2880 BF16) to 4 GiB, rounded down to
+        /// whole rows.
+        #[arg(long, default_value = "19MiB", value_parser = bytes_in(MIN_EXPERT_BYTES, MAX_EXPERT_BYTES, 1))]
         expert_bytes: u64,
-        #[arg(long, default_value_t = 4)]
+        /// Shard files (1 to --layers).
+        #[arg(long, default_value_t = 4, value_parser = count(1, MAX_LAYERS))]
         shards: usize,
         #[arg(long, default_value_t = 0x5eed)]
         seed: u64,
@@ -193,6 +228,7 @@ pub(crate) enum Cmd {
     /// Read every expert in a seeded random order through several arms, interleaved, cold cache; ratios to the
     /// ceiling and to fio's best in the same run.
     Bench {
+        #[arg(value_parser = non_empty_path())]
         model_dir: PathBuf,
         /// Arms, in the order they run each round (ceiling, fio, engine, engine-hash, engine-stripe,
         /// engine-adaptive, pread, buffered, mmap).
@@ -209,29 +245,30 @@ pub(crate) enum Cmd {
         /// The ceiling reads into 4 KiB pages (as fio's default buffers) instead of huge pages.
         #[arg(long)]
         small_pages: bool,
-        #[arg(long, default_value_t = 3)]
+        /// Interleaved runs (1 to 1000).
+        #[arg(long, default_value_t = 3, value_parser = count(1, MAX_RUNS))]
         runs: usize,
-        /// Reads in flight (1 = one expert at a time, decode-like).
-        #[arg(long, default_value_t = 8)]
+        /// Reads in flight (1 = one expert at a time, decode-like; at most 4096).
+        #[arg(long, default_value_t = 8, value_parser = count(1, MAX_DEPTH))]
         concurrency: usize,
         /// Order seed.
         #[arg(long, default_value_t = 1)]
         seed: u64,
-        /// Tensors whose name contains this.
+        /// Tensors whose name contains this (none matching is an error).
         #[arg(long, default_value = ".experts.")]
         filter: String,
         #[command(flatten)]
         engine: EngineArgs,
         #[command(flatten)]
         layout: LayoutArgs,
-        /// Read the whole order this many times per run.
-        #[arg(long, default_value_t = 1)]
+        /// Read the whole order this many times per run (1 to 1000).
+        #[arg(long, default_value_t = 1, value_parser = count(1, MAX_RUNS))]
         passes: usize,
-        /// Sample per-drive bytes every MS milliseconds during engine arms (JSON: runs[].timeline).
-        #[arg(long)]
+        /// Sample per-drive bytes every MS milliseconds during engine arms (JSON: runs[].timeline; 1 to 3600000).
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
         timeline_ms: Option<u64>,
         /// Write a bar chart of GB/s per arm (SVG).
-        #[arg(long)]
+        #[arg(long, value_parser = output_file())]
         plot: Option<PathBuf>,
         #[arg(long)]
         json: bool,
@@ -240,14 +277,25 @@ pub(crate) enum Cmd {
     /// "series": [{"name", "points": [[x, y], ...]}]} (lines), or {"title", "unit", "bars": [[label, value], ...],
     /// "reference": y} (bars). Writes SVG.
     #[command(hide = true)]
-    Plot { spec: PathBuf, out: PathBuf },
+    Plot {
+        /// The JSON spec (a regular file of at most 16 MiB).
+        #[arg(value_parser = existing_file())]
+        spec: PathBuf,
+        #[arg(value_parser = output_file())]
+        out: PathBuf,
+    },
+    /// The command line's own definition as JSON: every command, its arguments and their values (for the
+    /// argument test, which runs every command with hostile values for each).
+    #[command(hide = true, name = "cli-tree")]
+    CliTree,
     /// Write a synthetic MoE model, read every expert through weightstream, verify every byte, remove it.
     Demo {
         /// Where to write the model (default: a temporary directory).
-        #[arg(long)]
+        #[arg(long, value_parser = output_dir())]
         dir: Option<PathBuf>,
-        /// Approximate model size (e.g. 300MB, 1GiB).
-        #[arg(long, default_value = "320MiB", value_parser = parse_bytes)]
+        /// Approximate model size (e.g. 300MB, 1GiB; at least one 4-layer expert set, about 20 MB, is written;
+        /// it must fit on the volume).
+        #[arg(long, default_value = "320MiB", value_parser = bytes_in(1, MAX_SIZE, 1))]
         size: u64,
         /// Keep the model directory afterwards.
         #[arg(long)]
@@ -284,14 +332,14 @@ pub(crate) struct EngineArgs {
     /// one-read-at-a-time reference path). Default: WEIGHTSTREAM_BACKEND or auto.
     #[arg(long, value_enum)]
     pub(crate) backend: Option<BackendArg>,
-    /// Chunks in flight per drive (default: WEIGHTSTREAM_QD or 32).
-    #[arg(long)]
+    /// Chunks in flight per drive, 1 to 4096 (default: WEIGHTSTREAM_QD or 32).
+    #[arg(long, value_parser = count(1, MAX_DEPTH))]
     pub(crate) qd: Option<usize>,
-    /// Largest chunk, e.g. 1MiB (default: the device's max_sectors_kb, clamped to 1-4 MiB; a large read's chunks grow by a whole factor up to 4 MiB while each I/O thread serving it keeps 4).
-    #[arg(long, value_parser = parse_bytes)]
+    /// Largest chunk, e.g. 1MiB: 4 KiB to 1 GiB, a multiple of 4096 (default: the device's max_sectors_kb, clamped to 1-4 MiB; a large read's chunks grow by a whole factor up to 4 MiB while each I/O thread serving it keeps 4).
+    #[arg(long, value_parser = bytes_in(MIN_BLOCK, MAX_BLOCK, 4096))]
     pub(crate) chunk: Option<u64>,
-    /// Reads kept in flight (slots in the arena).
-    #[arg(long, default_value_t = 8)]
+    /// Reads kept in flight (slots in the arena; 1 to 4096).
+    #[arg(long, default_value_t = 8, value_parser = count(1, MAX_DEPTH))]
     pub(crate) inflight: usize,
     /// Kernel-side submission polling (a kernel thread per ring spins; opt-in).
     #[arg(long)]
@@ -512,14 +560,13 @@ fn parse_submit(s: &str) -> Result<SubmitMode, String> {
     s.parse().map_err(|e: weightstream::Error| e.to_string())
 }
 
-/// A size: `4GiB`, `300MB`, `1048576`.
+/// A size: `4GiB`, `300MB`, `1048576`, `1.5GiB`; refused when it does not
+/// fit in u64.
 pub(crate) fn parse_bytes(s: &str) -> Result<u64, String> {
     let s = s.trim();
     let split = s.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
-    let num: f64 = num
-        .parse()
-        .map_err(|_| format!("{s:?}: expected a size such as 4GiB, 300MB or 1048576"))?;
+    let expected = || format!("{s:?}: expected a size such as 4GiB, 300MB or 1048576");
     let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "k" | "kb" => 1_000,
@@ -532,5 +579,16 @@ pub(crate) fn parse_bytes(s: &str) -> Result<u64, String> {
         "tib" => 1 << 40,
         u => return Err(format!("{s:?}: unknown unit {u:?}")),
     };
-    Ok((num * mult as f64) as u64)
+    let too_large = || format!("{s:?}: more than {} bytes", u64::MAX);
+    if !num.contains('.') {
+        // Whole numbers exactly (u64::MAX itself is a size).
+        let n: u128 = num.parse().map_err(|_| expected())?;
+        return u64::try_from(n.checked_mul(mult as u128).ok_or_else(too_large)?).map_err(|_| too_large());
+    }
+    let b = num.parse::<f64>().map_err(|_| expected())? * mult as f64;
+    // u64::MAX as f64 rounds up to 2^64: anything at or past it does not fit.
+    if !b.is_finite() || b >= u64::MAX as f64 {
+        return Err(too_large());
+    }
+    Ok(b as u64)
 }

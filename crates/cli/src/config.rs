@@ -73,6 +73,9 @@ impl EngineArgs {
     }
 }
 
+/// Configurations one `ceiling` run may sweep, at most.
+const MAX_CONFIGS: usize = 4096;
+
 /// The sweep the `ceiling` flags ask for: full or quick, with each
 /// dimension given replacing that dimension's values (every combination).
 #[allow(clippy::too_many_arguments)]
@@ -111,13 +114,45 @@ pub(crate) fn sweep_config(
             .map(|&b| usize::try_from(b).map_err(|_| format!("--bs {b}: too large")))
             .collect::<Result<_, _>>()?;
         let full = SweepConfig::full().configs;
-        cfg.configs = SweepConfig::product(
-            &values(bs, &full, |c| c.bs),
-            &values(qd.to_vec(), &full, |c| c.qd),
-            &values(readers.to_vec(), &full, |c| c.readers),
-            &values(submit.to_vec(), &full, |c| c.submit),
-            &values(buffers.to_vec(), &full, |c| c.buffers),
+        let (bs, qd, readers, submit, buffers) = (
+            values(bs, &full, |c| c.bs),
+            values(qd.to_vec(), &full, |c| c.qd),
+            values(readers.to_vec(), &full, |c| c.readers),
+            values(submit.to_vec(), &full, |c| c.submit),
+            values(buffers.to_vec(), &full, |c| c.buffers),
         );
+        let n = [bs.len(), qd.len(), readers.len(), submit.len(), buffers.len()]
+            .iter()
+            .try_fold(1usize, |a, &b| a.checked_mul(b))
+            .filter(|&n| n <= MAX_CONFIGS)
+            .ok_or_else(|| {
+                format!(
+                    "ceiling: {} --bs x {} --qd x {} --readers x {} --submit x {} --buffers value(s) is more than \
+                     {MAX_CONFIGS} configurations",
+                    bs.len(),
+                    qd.len(),
+                    readers.len(),
+                    submit.len(),
+                    buffers.len()
+                )
+            })?;
+        debug_assert!(n >= 1);
+        // The buffers of one configuration: every reader's reads in flight.
+        let (room, why) = crate::args::memory_room();
+        let most = (*bs.iter().max().unwrap_or(&0) as u128)
+            * (*qd.iter().max().unwrap_or(&0) as u128)
+            * (*readers.iter().max().unwrap_or(&0) as u128);
+        if most > room as u128 {
+            return Err(format!(
+                "ceiling: --bs {} x --qd {} x --readers {} is {most} bytes of buffers for one configuration, more than \
+                 the {room} bytes this process may allocate ({why})",
+                bs.iter().max().unwrap_or(&0),
+                qd.iter().max().unwrap_or(&0),
+                readers.iter().max().unwrap_or(&0)
+            )
+            .into());
+        }
+        cfg.configs = SweepConfig::product(&bs, &qd, &readers, &submit, &buffers);
         cfg.name = "custom".into();
     }
     if let Some(b) = bytes {

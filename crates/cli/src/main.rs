@@ -14,6 +14,7 @@ use clap::Parser;
 
 use cli::{Cli, Cmd};
 
+mod args;
 mod bench;
 mod ceiling;
 mod cli;
@@ -178,6 +179,7 @@ fn run(cmd: Cmd) -> ExitCode {
             json,
         ),
         Cmd::Plot { spec, out } => commands::plot::plot(spec, out),
+        Cmd::CliTree => commands::tree::tree(),
         Cmd::Demo { dir, size, keep } => commands::demo::demo(dir, size, keep),
     };
     match r {

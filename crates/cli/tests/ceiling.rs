@@ -151,15 +151,31 @@ fn ceiling_refuses_bad_input_with_a_message_naming_it() {
     let tmp = common::tempdir();
     let files = small_model(&tmp.path().join("m"));
     let cases: Vec<(Vec<&str>, &str)> = vec![
-        (vec!["ceiling", "--bs", "1000"], "block size 1000"),
-        (vec!["ceiling", "--qd", "0"], "queue depth 0"),
-        (vec!["ceiling", "--readers", "0"], "readers 0"),
-        // Typed values: clap's usage error names the value (exit status 2).
+        // Out of range and typed values: clap's usage error names the flag
+        // and the range, or the value (exit status 2).
+        (
+            vec!["ceiling", "--bs", "1000"],
+            "'--bs <BS>': 1000 bytes is outside the accepted range 4096..=",
+        ),
+        (vec!["ceiling", "--qd", "0"], "'--qd <QD>': 0 is not in 1..=4096"),
+        (
+            vec!["ceiling", "--readers", "0"],
+            "'--readers <READERS>': 0 is not in 1..=64",
+        ),
         (vec!["ceiling", "--submit", "sqpoll"], "'sqpoll'"),
         (vec!["ceiling", "--buffers", "huge"], "'huge'"),
-        (vec!["ceiling", "--seconds", "0"], "time cap"),
-        (vec!["ceiling", "--seconds", "nan"], "time cap"),
-        (vec!["ceiling", "--bytes", "0"], "byte cap"),
+        (
+            vec!["ceiling", "--seconds", "0"],
+            "'--seconds <SECONDS>': 0 is outside the accepted range",
+        ),
+        (
+            vec!["ceiling", "--seconds", "nan"],
+            "'--seconds <SECONDS>': NaN is outside the accepted range",
+        ),
+        (
+            vec!["ceiling", "--bytes", "0"],
+            "'--bytes <BYTES>': 0 bytes is outside the accepted range 1..=",
+        ),
     ];
     for (head, want) in cases {
         let out = common::run(&args(&head, &files));

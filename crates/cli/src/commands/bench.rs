@@ -12,6 +12,9 @@ use crate::commands::CliResult;
 use crate::plot;
 use crate::progress::Progress;
 
+/// Reads in one run's order, at most (each is a reference held in memory).
+const MAX_ORDER: usize = 1 << 24;
+
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn bench_cmd(
     dir: PathBuf,
@@ -25,6 +28,29 @@ pub(crate) fn bench_cmd(
     json: bool,
 ) -> CliResult {
     let model = Model::open(layout.config(&dir, None)?)?;
+    // Checked before any arm runs: a filter that matches nothing, and an
+    // order (every pass of every match) too long to hold.
+    let matched = model
+        .catalog()
+        .tensors()
+        .iter()
+        .filter(|t| t.name.contains(&filter))
+        .count();
+    if matched == 0 {
+        return Err(format!(
+            "bench: --filter {filter:?}: no tensor name contains it (the model in {} has {} tensor(s))",
+            weightstream::escape(&dir),
+            model.catalog().tensors().len()
+        )
+        .into());
+    }
+    if matched.saturating_mul(passes) > MAX_ORDER {
+        return Err(format!(
+            "bench: --passes {passes} x {matched} tensor(s) matching --filter {filter:?} is more than {MAX_ORDER} reads \
+             per run: fewer --passes"
+        )
+        .into());
+    }
     let engine = eargs
         .config()?
         .ok_or("bench: --backend sync is not an arm; use --arms")?;
@@ -54,7 +80,8 @@ pub(crate) fn bench_cmd(
             "{} experts, concurrency {}, median of {} runs; ceiling {:.2} GB/s",
             r.tensors, r.concurrency, r.runs, r.ceiling_gbps
         );
-        std::fs::write(p, plot::bars_svg(&title, "GB/s", &bars, Some(r.ceiling_gbps)))?;
+        std::fs::write(p, plot::bars_svg(&title, "GB/s", &bars, Some(r.ceiling_gbps)))
+            .map_err(|e| format!("bench: --plot {}: write the chart: {e}", weightstream::escape(p)))?;
     }
     if json {
         println!("{}", serde_json::to_string_pretty(&r)?);

@@ -7,9 +7,16 @@ use weightstream::{Arena, Model, ModelConfig};
 use weightstream_synth::{self as synth, SynthSpec};
 
 use crate::bench::{self, Arm, BenchConfig};
-use crate::commands::CliResult;
+use crate::commands::{gen, CliResult};
 
 pub(crate) fn demo(dir: Option<PathBuf>, size: u64, keep: bool) -> CliResult {
+    // Checked before a directory is made: the volume and memory it needs.
+    let flags = gen::Flags {
+        command: "demo",
+        experts_hint: "lower --size",
+    };
+    let at = dir.clone().unwrap_or_else(std::env::temp_dir);
+    let spec = gen::plan(&at, size, 4, None, 1_700_000, 2, SynthSpec::default().seed, &flags)?.spec;
     let (tmp, dir) = match dir {
         Some(d) => (None, d),
         None => {
@@ -20,7 +27,6 @@ pub(crate) fn demo(dir: Option<PathBuf>, size: u64, keep: bool) -> CliResult {
             (Some(t), d)
         }
     };
-    let spec = SynthSpec::sized(size, 1_700_000, 4, 2);
     let t0 = Instant::now();
     synth::write_model(&dir, &spec)?;
     println!(

@@ -24,7 +24,7 @@ pub(crate) fn digest(
         chosen.extend(cat.tensors().iter());
     } else {
         for n in &names {
-            chosen.push(model.tensor(n)?);
+            chosen.push(model.tensor(n).map_err(|e| format!("digest: --tensor {n:?}: {e}"))?);
         }
         chosen.sort_by(|a, b| a.name.cmp(&b.name));
         chosen.dedup_by(|a, b| a.name == b.name);
@@ -34,7 +34,12 @@ pub(crate) fn digest(
     let mut sums = Vec::with_capacity(chosen.len());
     let stats = match args.config()? {
         None => {
-            let arena = Arena::new(spec, 1)?;
+            let arena = Arena::new(spec, 1).map_err(|e| {
+                crate::args::alloc_flags(
+                    e,
+                    &format!("one slot sized for the largest tensor chosen ({cap} bytes; --tensor chooses)"),
+                )
+            })?;
             for t in chosen {
                 let slot = arena.take().expect("one slot, returned after each read");
                 let loaded = model.read_sync(t, slot)?;
@@ -44,7 +49,15 @@ pub(crate) fn digest(
         }
         Some(cfg) => {
             let engine = Engine::new(&model, cfg)?;
-            let arena = engine.arena(spec, args.inflight.max(1))?;
+            let arena = engine.arena(spec, args.inflight).map_err(|e| {
+                crate::args::alloc_flags(
+                    e,
+                    &format!(
+                        "--inflight {} slots, each sized for the largest tensor chosen ({cap} bytes; --tensor chooses)",
+                        args.inflight
+                    ),
+                )
+            })?;
             // Keep up to `inflight` reads going; hash in order as each lands.
             let mut pending = std::collections::VecDeque::new();
             let mut next = chosen.iter();

@@ -14,7 +14,9 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use sha2::{Digest, Sha256};
-use weightstream::{Engine, LoadOptions, Model, Order};
+use weightstream::{escape, Engine, LoadOptions, Model, Order};
+
+use crate::args::alloc_flags;
 
 use crate::bench::page_cache_bytes;
 use crate::cli::{EngineArgs, LayoutArgs, LoadMethod};
@@ -86,13 +88,29 @@ pub(crate) fn load(dir: &Path, args: &LoadArgs, engine_args: &EngineArgs, layout
     let open_seconds = t0.elapsed().as_secs_f64();
     let mut engine_seconds = 0.0;
     let selected = |name: &str| args.names.is_empty() || args.names.iter().any(|n| name.contains(n.as_str()));
-    let total: u64 = model
+    let (count, total) = model
         .catalog()
         .tensors()
         .iter()
         .filter(|t| selected(&t.name))
-        .map(|t| t.len)
-        .sum();
+        .fold((0usize, 0u64), |(n, b), t| (n + 1, b.saturating_add(t.len)));
+    if count == 0 {
+        // Nothing selected is a mistake in --name, never a load of nothing
+        // reported per GB of nothing.
+        let n = model.catalog().tensors().len();
+        return Err(if args.names.is_empty() {
+            format!("load: the model in {} has no tensors", escape(dir))
+        } else {
+            let names: Vec<String> = args.names.iter().map(|n| format!("{n:?}")).collect();
+            format!(
+                "load: --name {}: no tensor name contains any of them (the model in {} has {n} tensor(s); \
+                 `weightstream inspect` lists them)",
+                names.join(", --name "),
+                escape(dir)
+            )
+        }
+        .into());
+    }
     let bar = ProgressBar::new(!args.json && std::io::stderr().is_terminal(), total);
 
     // Each arm keeps what it loaded alive until the measurements are taken.
@@ -122,7 +140,9 @@ pub(crate) fn load(dir: &Path, args: &LoadArgs, engine_args: &EngineArgs, layout
             }
             let b = bar.clone();
             opts = opts.progress(move |p| b.set(p.bytes));
-            loaded = engine.load_all(&opts)?;
+            loaded = engine
+                .load_all(&opts)
+                .map_err(|e| alloc_flags(e, "--name selects the tensors loaded, --align pads them"))?;
             report = Some(loaded.report().clone());
             stats = Some(engine.stats());
             loaded.iter().map(|t| (t.name().to_string(), t.bytes())).collect()

@@ -9,6 +9,7 @@ pub(crate) mod inspect;
 pub(crate) mod load;
 pub(crate) mod place;
 pub(crate) mod plot;
+pub(crate) mod tree;
 pub(crate) mod verify;
 
 /// What a command returns: any error is printed with its causes.

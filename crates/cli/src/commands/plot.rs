@@ -5,8 +5,13 @@ use std::path::PathBuf;
 use crate::commands::CliResult;
 use crate::plot;
 
+/// The largest chart spec read.
+const MAX_SPEC_LEN: u64 = 16 << 20;
+
 pub(crate) fn plot(spec: PathBuf, out: PathBuf) -> CliResult {
-    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&spec)?)?;
+    let bytes = crate::args::read_bounded(&spec, MAX_SPEC_LEN, "the chart spec")?;
+    let v: serde_json::Value =
+        serde_json::from_slice(&bytes).map_err(|e| format!("{}: not a JSON chart spec: {e}", spec.display()))?;
     let text = |k: &str| v.get(k).and_then(|x| x.as_str()).unwrap_or("").to_string();
     let svg = if let Some(series) = v.get("series").and_then(|s| s.as_array()) {
         let series: Vec<(String, Vec<(f64, f64)>)> = series
@@ -36,6 +41,6 @@ pub(crate) fn plot(spec: PathBuf, out: PathBuf) -> CliResult {
     } else {
         return Err(format!("{}: expected \"series\" or \"bars\"", spec.display()).into());
     };
-    std::fs::write(&out, svg)?;
+    std::fs::write(&out, svg).map_err(|e| format!("{}: write the chart: {e}", weightstream::escape(&out)))?;
     Ok(())
 }

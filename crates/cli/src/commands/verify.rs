@@ -7,6 +7,10 @@ use weightstream::{escape, Model};
 
 use crate::cli::LayoutArgs;
 
+/// The largest `--against` record read (a `verify --json --digest` report
+/// of a model of a million tensors is about 200 MB).
+pub(crate) const MAX_RECORD_LEN: u64 = 256 << 20;
+
 /// `weightstream verify`: Ok(true) when nothing changed.
 pub(crate) fn verify(
     dir: &Path,
@@ -17,7 +21,7 @@ pub(crate) fn verify(
 ) -> Result<bool, Box<dyn std::error::Error>> {
     let earlier: Option<weightstream::VerifyReport> = match against {
         Some(p) => {
-            let text = std::fs::read(p).map_err(|e| format!("{}: read the record: {e}", escape(p)))?;
+            let text = crate::args::read_bounded(p, MAX_RECORD_LEN, "the --against record")?;
             Some(
                 serde_json::from_slice(&text)
                     .map_err(|e| format!("{}: not a `weightstream verify --json` report: {e}", escape(p)))?,

@@ -8,6 +8,7 @@ use std::process::{Command, Output};
 
 #[path = "../../../../tests/common/mod.rs"]
 mod lib_common;
+#[allow(unused_imports)]
 pub use lib_common::*;
 
 /// The built `weightstream` binary.
