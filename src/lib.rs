@@ -137,3 +137,9 @@ pub mod __internal {
         Ok(dir)
     }
 }
+
+/// The README's Rust example, compiled (not run) with the doctests, so the
+/// front page cannot drift from the API.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeExample;
