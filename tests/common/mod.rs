@@ -37,6 +37,29 @@ pub fn tempdir() -> tempfile::TempDir {
         .expect("create a temp dir under CARGO_TARGET_TMPDIR")
 }
 
+/// Voluntary context switches of the calling thread so far
+/// (`getrusage(RUSAGE_THREAD)`'s `ru_nvcsw`): the count goes up each time
+/// the thread sleeps (waits on a lock, a condition variable, a pipe, an I/O
+/// thread, a timer) and never for being preempted, so "unchanged across a
+/// call" says the call never waited, however loaded the machine is.
+pub fn thread_voluntary_switches() -> u64 {
+    // SAFETY: `getrusage` writes one `rusage` into the zeroed value it is
+    // given and reads nothing else.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: `ru` is a valid, writable `rusage` for the whole call.
+    let r = unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut ru) };
+    assert_eq!(r, 0, "getrusage(RUSAGE_THREAD): {}", std::io::Error::last_os_error());
+    ru.ru_nvcsw as u64
+}
+
+/// Runs `f` and returns its result with the voluntary context switches the
+/// calling thread made inside it ([`thread_voluntary_switches`]).
+pub fn voluntary_switches_in<T>(f: impl FnOnce() -> T) -> (T, u64) {
+    let before = thread_voluntary_switches();
+    let out = f();
+    (out, thread_voluntary_switches() - before)
+}
+
 /// Deterministic bytes that differ at every position and between seeds, so
 /// a payload read from the wrong offset (even off by one) never matches.
 pub fn content(seed: u64, len: usize) -> Vec<u8> {
