@@ -30,8 +30,8 @@
 //!
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! // A safetensors shard: 8-byte header length, JSON header, data.
-//! let dir = std::env::temp_dir().join(format!("weightstream-doc-{}", std::process::id()));
-//! std::fs::create_dir_all(&dir)?;
+//! let tmp = tempfile::tempdir()?;
+//! let dir = tmp.path();
 //! let header = br#"{"w":{"dtype":"U8","shape":[5000],"data_offsets":[0,5000]}}"#;
 //! let mut shard = (header.len() as u64).to_le_bytes().to_vec();
 //! shard.extend_from_slice(header);
@@ -47,7 +47,6 @@
 //! assert!(loaded.iter().enumerate().all(|(i, &b)| b == (i % 251) as u8));
 //! arena.give_back(loaded.into_slot());
 //! # drop(engine);
-//! # std::fs::remove_dir_all(&dir)?;
 //! # Ok(())
 //! # }
 //! ```
@@ -111,13 +110,24 @@ pub mod __internal {
     pub use crate::storage::numa::bind_thread_described;
 
     /// Writes a one-shard model for the documentation's examples: a fresh
-    /// directory under the system temporary directory (named by `tag` and
-    /// the process id) holding `model.safetensors` with `tensors` (name,
-    /// dtype, payload bytes) back to back, byte `i` of each payload being
+    /// directory under the system temporary directory (named by `tag`, the
+    /// process id and the clock, and made new: never one another run left
+    /// or uses) holding `model.safetensors` with `tensors` (name, dtype,
+    /// payload bytes) back to back, byte `i` of each payload being
     /// `i % 251`. Returns the directory.
     pub fn doc_model(tag: &str, tensors: &[(&str, crate::Dtype, usize)]) -> std::io::Result<std::path::PathBuf> {
-        let dir = std::env::temp_dir().join(format!("weightstream-doc-{tag}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir)?;
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let mut n = 0u32;
+        let dir = loop {
+            let dir = std::env::temp_dir().join(format!("weightstream-doc-{tag}-{}-{nanos}-{n}", std::process::id()));
+            match std::fs::create_dir(&dir) {
+                Ok(()) => break dir,
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && n < 1000 => n += 1,
+                Err(e) => return Err(e),
+            }
+        };
         let (mut at, mut entries) = (0usize, serde_json::Map::new());
         for &(name, dtype, len) in tensors {
             let elem = crate::load::element_align(dtype);

@@ -34,14 +34,14 @@ use crate::memory::Arena;
 /// ```
 /// use weightstream::{Engine, EngineConfig, Model, ModelConfig};
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
-/// # let dir = std::env::temp_dir().join(format!("weightstream-doc-stream-{}", std::process::id()));
-/// # std::fs::create_dir_all(&dir)?;
+/// # let tmp = tempfile::tempdir()?;
+/// # let dir = tmp.path();
 /// # let header = br#"{"l0":{"dtype":"U8","shape":[9000],"data_offsets":[0,9000]},"l1":{"dtype":"U8","shape":[9000],"data_offsets":[9000,18000]}}"#;
 /// # let mut shard = (header.len() as u64).to_le_bytes().to_vec();
 /// # shard.extend_from_slice(header);
 /// # shard.extend((0..18000u32).map(|i| (i % 249) as u8));
 /// # std::fs::write(dir.join("model.safetensors"), &shard)?;
-/// let model = Model::open(ModelConfig::new(&dir))?;
+/// let model = Model::open(ModelConfig::new(dir))?;
 /// let engine = Engine::new(&model, EngineConfig::default())?;
 /// // Every tensor, through at most 1 MiB of staging memory.
 /// let mut seen = 0;
@@ -54,7 +54,6 @@ use crate::memory::Arena;
 /// }
 /// assert_eq!(seen, 2);
 /// # drop(engine);
-/// # std::fs::remove_dir_all(&dir)?;
 /// # Ok(())
 /// # }
 /// ```

@@ -72,8 +72,8 @@ impl LoadReport {
 /// ```
 /// use weightstream::{Engine, EngineConfig, LoadOptions, Model, ModelConfig};
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
-/// # let dir = std::env::temp_dir().join(format!("weightstream-doc-load-{}", std::process::id()));
-/// # std::fs::create_dir_all(&dir)?;
+/// # let tmp = tempfile::tempdir()?;
+/// # let dir = tmp.path();
 /// // A shard of two tensors: "a" (3 bytes of U8) and "b" (4 F32 values).
 /// let header = br#"{"a":{"dtype":"U8","shape":[3],"data_offsets":[0,3]},"b":{"dtype":"F32","shape":[4],"data_offsets":[3,19]}}"#;
 /// let mut shard = (header.len() as u64).to_le_bytes().to_vec();
@@ -82,7 +82,7 @@ impl LoadReport {
 /// shard.extend([1.5f32, 2.5, 3.5, 4.5].iter().flat_map(|x| x.to_le_bytes()));
 /// std::fs::write(dir.join("model.safetensors"), &shard)?;
 ///
-/// let model = Model::open(ModelConfig::new(&dir))?;
+/// let model = Model::open(ModelConfig::new(dir))?;
 /// let engine = Engine::new(&model, EngineConfig::default())?;
 /// let all = engine.load_all(&LoadOptions::default())?;
 /// assert_eq!(all.len(), 2);
@@ -97,7 +97,6 @@ impl LoadReport {
 ///     println!("{} {} {:?}: {} bytes", t.name(), t.dtype(), t.shape(), t.len());
 /// }
 /// # drop(all); drop(engine);
-/// # std::fs::remove_dir_all(&dir)?;
 /// # Ok(())
 /// # }
 /// ```

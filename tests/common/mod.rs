@@ -37,6 +37,29 @@ pub fn tempdir() -> tempfile::TempDir {
         .expect("create a temp dir under CARGO_TARGET_TMPDIR")
 }
 
+/// Voluntary context switches of the calling thread so far
+/// (`getrusage(RUSAGE_THREAD)`'s `ru_nvcsw`): the count goes up each time
+/// the thread sleeps (waits on a lock, a condition variable, a pipe, an I/O
+/// thread, a timer) and never for being preempted, so "unchanged across a
+/// call" says the call never waited, however loaded the machine is.
+pub fn thread_voluntary_switches() -> u64 {
+    // SAFETY: `getrusage` writes one `rusage` into the zeroed value it is
+    // given and reads nothing else.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: `ru` is a valid, writable `rusage` for the whole call.
+    let r = unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut ru) };
+    assert_eq!(r, 0, "getrusage(RUSAGE_THREAD): {}", std::io::Error::last_os_error());
+    ru.ru_nvcsw as u64
+}
+
+/// Runs `f` and returns its result with the voluntary context switches the
+/// calling thread made inside it ([`thread_voluntary_switches`]).
+pub fn voluntary_switches_in<T>(f: impl FnOnce() -> T) -> (T, u64) {
+    let before = thread_voluntary_switches();
+    let out = f();
+    (out, thread_voluntary_switches() - before)
+}
+
 /// Deterministic bytes that differ at every position and between seeds, so
 /// a payload read from the wrong offset (even off by one) never matches.
 pub fn content(seed: u64, len: usize) -> Vec<u8> {
@@ -417,10 +440,47 @@ pub fn move_files(from: &Path, to: &Path, names: &[&str]) {
 /// a read-bandwidth cap), for tests that need a slow drive (a read that
 /// stays in the kernel for seconds) or two independent drives. Root only:
 /// `up` returns `None` with a SKIP notice elsewhere. Torn down on drop.
+///
+/// Nothing is named for the machine: the base is `/tmp/ws-simdrives-PID-N`,
+/// the loop and zram devices are the next free ones, and the bandwidth caps
+/// live in this process's own cgroup (`ws-simdrives-PID`, through
+/// `SIMDRIVES_CGROUP`), which the process joins while it has drives up and
+/// leaves (back to where it was) before the last `down` removes it; so two
+/// runs on one machine never share or remove each other's. (A simdrives
+/// script without `SIMDRIVES_CGROUP` uses its fixed `simdrives` cgroup, as
+/// before.)
 pub struct SimDrives {
     base: PathBuf,
     script: PathBuf,
     pub mounts: Vec<PathBuf>,
+}
+
+/// This process's drives up (across threads), and the cgroup it was in
+/// before it joined the drives' one; held across `up` and `down` so that
+/// one test's `down` never removes the cgroup another's `up` is filling.
+static SIM_USERS: std::sync::Mutex<(usize, Option<PathBuf>)> = std::sync::Mutex::new((0, None));
+
+/// The cgroup name this process's drives use.
+fn sim_cgroup() -> String {
+    format!("ws-simdrives-{}", std::process::id())
+}
+
+/// `cgroup.procs` of the cgroup this process is in now (the blkio one on
+/// cgroup v1, the unified one on v2).
+fn own_cgroup_procs() -> Option<PathBuf> {
+    let table = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let v1 = table.lines().find_map(|l| {
+        let mut f = l.splitn(3, ':');
+        let (_, ctl, path) = (f.next()?, f.next()?, f.next()?);
+        ctl.split(',')
+            .any(|c| c == "blkio")
+            .then(|| format!("/sys/fs/cgroup/blkio{path}"))
+    });
+    let v2 = table
+        .lines()
+        .find_map(|l| l.strip_prefix("0::").map(|p| format!("/sys/fs/cgroup{p}")));
+    let dir = PathBuf::from(v1.or(v2)?);
+    Some(dir.join("cgroup.procs")).filter(|p| p.exists())
 }
 
 impl SimDrives {
@@ -431,14 +491,20 @@ impl SimDrives {
             eprintln!("SKIP: simdrives needs root");
             return None;
         }
-        let script = [
+        let scripts: Vec<PathBuf> = [
             std::env::var_os("WEIGHTSTREAM_SIMDRIVES").map(PathBuf::from),
             Some(repo_root().join("../shared/tools/simdrives")),
             Some(repo_root().join("ci/simdrives")),
         ]
         .into_iter()
         .flatten()
-        .find(|p| p.is_file())?;
+        .filter(|p| p.is_file())
+        .collect();
+        // The first that names its cgroup by SIMDRIVES_CGROUP (nothing
+        // fixed for the machine), else the first.
+        let per_run = |p: &PathBuf| std::fs::read_to_string(p).is_ok_and(|t| t.contains("SIMDRIVES_CGROUP"));
+        let script = scripts.iter().find(|p| per_run(p)).or(scripts.first())?.clone();
+        let mut users = SIM_USERS.lock().unwrap_or_else(|e| e.into_inner());
         static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
         let base = PathBuf::from(format!(
             "/tmp/ws-simdrives-{}-{}",
@@ -459,6 +525,7 @@ impl SimDrives {
             ])
             .arg(&base)
             .env("SIMDRIVES_BASE", &base)
+            .env("SIMDRIVES_CGROUP", sim_cgroup())
             .output()
             .expect("run simdrives");
         let me = SimDrives {
@@ -469,21 +536,36 @@ impl SimDrives {
                 .map(PathBuf::from)
                 .collect(),
         };
+        // Counted from here: dropping `me` (on failure too) undoes it.
+        users.0 += 1;
         if !out.status.success() || me.mounts.len() != n {
+            drop(users);
             eprintln!(
                 "SKIP: simdrives up {n} --kind {kind} failed: {}",
                 String::from_utf8_lossy(&out.stderr).trim()
             );
             return None;
         }
-        // The caps apply to processes in simdrives' cgroup: join it.
-        for dir in ["/sys/fs/cgroup/blkio/simdrives", "/sys/fs/cgroup/simdrives"] {
-            let procs = Path::new(dir).join("cgroup.procs");
-            if procs.exists() {
-                std::fs::write(&procs, std::process::id().to_string()).expect("join the simdrives cgroup");
-                break;
+        // The caps apply to processes in the drives' cgroup: join it (this
+        // process's own, or the script's fixed one).
+        let name = sim_cgroup();
+        let dirs = [
+            format!("/sys/fs/cgroup/blkio/{name}"),
+            format!("/sys/fs/cgroup/{name}"),
+            "/sys/fs/cgroup/blkio/simdrives".to_string(),
+            "/sys/fs/cgroup/simdrives".to_string(),
+        ];
+        if let Some(procs) = dirs
+            .iter()
+            .map(|d| Path::new(d).join("cgroup.procs"))
+            .find(|p| p.exists())
+        {
+            if users.0 == 1 && users.1.is_none() {
+                users.1 = own_cgroup_procs().filter(|p| *p != procs);
             }
+            std::fs::write(&procs, std::process::id().to_string()).expect("join the simdrives cgroup");
         }
+        drop(users);
         Some(me)
     }
 
@@ -492,6 +574,7 @@ impl SimDrives {
         let ok = Command::new(&self.script)
             .args(["throttle", &k.to_string(), &mbps.to_string()])
             .env("SIMDRIVES_BASE", &self.base)
+            .env("SIMDRIVES_CGROUP", sim_cgroup())
             .status()
             .expect("run simdrives throttle")
             .success();
@@ -501,9 +584,19 @@ impl SimDrives {
 
 impl Drop for SimDrives {
     fn drop(&mut self) {
+        let mut users = SIM_USERS.lock().unwrap_or_else(|e| e.into_inner());
+        users.0 = users.0.saturating_sub(1);
+        if users.0 == 0 {
+            // The last drives of this process: back to the cgroup it came
+            // from, so that `down` can remove the drives' one.
+            if let Some(home) = users.1.take() {
+                let _ = std::fs::write(home, std::process::id().to_string());
+            }
+        }
         let _ = Command::new(&self.script)
             .arg("down")
             .env("SIMDRIVES_BASE", &self.base)
+            .env("SIMDRIVES_CGROUP", sim_cgroup())
             .status();
     }
 }

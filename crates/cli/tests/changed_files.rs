@@ -13,8 +13,9 @@
 //! - replaced by a rename: "replaced (inode changed ...)"; removed:
 //!   "removed"; both in-process and through `verify --against`.
 //!
-//! ctime comes from the kernel's coarse clock (a few ms): each test sleeps
-//! a little before changing a file, as a real change after open would be.
+//! ctime comes from the kernel's coarse clock (a few ms): before changing a
+//! file each test waits until that clock has moved past the file's ctime
+//! (`tick`), as it has for a real change after open.
 
 mod common;
 
@@ -41,8 +42,30 @@ fn shard(dir: &Path, seed: u64) -> (PathBuf, u64, Vec<u8>) {
     (path, 8 + header.len() as u64, bytes)
 }
 
-fn tick() {
-    std::thread::sleep(Duration::from_millis(30));
+/// ctime, (seconds, nanoseconds).
+fn ctime(path: &Path) -> (i64, i64) {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(path).unwrap_or_else(|e| panic!("stat {}: {e}", path.display()));
+    (m.ctime(), m.ctime_nsec())
+}
+
+/// Waits until the kernel's clock for ctime has moved past `path`'s ctime
+/// (a probe file beside it is touched until its ctime is later), so that
+/// the change that follows is seen as one: a fact polled for, not a sleep
+/// assumed long enough; 60 s is only a watchdog.
+fn tick(path: &Path) {
+    let was = ctime(path);
+    let probe = path.with_extension("tick");
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        std::fs::write(&probe, b"tick").unwrap();
+        if ctime(&probe) > was {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "ctime never moved past {was:?}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    std::fs::remove_file(&probe).unwrap();
 }
 
 fn changes_of<'a>(r: &'a VerifyReport, path: &Path) -> &'a [Change] {
@@ -86,7 +109,7 @@ fn rewrite_in_place_with_the_same_size_is_named() {
     assert_eq!(code, Some(0), "{err}");
     std::fs::write(&rec, out).unwrap();
 
-    tick();
+    tick(&path);
     // Same size, other bytes in `tail`.
     let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
     f.write_all_at(&[0xA5; 1000], data_start + 4096 + 5000).unwrap();
@@ -159,7 +182,7 @@ fn truncated_then_re_extended_is_named_by_verify_and_by_the_failed_read() {
         let size = bytes.len() as u64;
         let model = Model::open(ModelConfig::new(dir)).unwrap();
         let engine = Engine::new(&model, EngineConfig::default().backend(backend.parse().unwrap())).unwrap();
-        tick();
+        tick(&path);
         let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
         f.set_len(size / 2).unwrap();
         f.set_len(size * 3 / 4).unwrap();
@@ -209,7 +232,7 @@ fn replaced_by_rename_and_removed_are_named() {
     let model = Model::open(ModelConfig::new(&dir)).unwrap();
     assert!(model.files()[0].changed_since_open().is_none());
 
-    tick();
+    tick(&path);
     let new = tmp.path().join("new.safetensors");
     std::fs::write(&new, &bytes).unwrap();
     std::fs::rename(&new, &path).unwrap();
