@@ -134,9 +134,13 @@ fn an_executor_thread_never_waits_inside_weightstream() {
         );
         // Every read and at least one poll per read.
         assert!(calls >= 2 * 2 * experts.len() as u64, "{backend:?}: {calls} calls");
-        assert_eq!(
-            switches, 0,
-            "{backend:?}: the executor thread waited {switches} time(s) inside read or a ticket's poll"
+        // A call that waits for a read (or for an I/O thread to answer)
+        // switches on every read: at least `2 * experts` times. A lone
+        // switch can be a lock an I/O thread held when it was preempted on
+        // a busy machine (the queue, a request): allowed, one per 50 calls.
+        assert!(
+            switches <= calls / 50,
+            "{backend:?}: the executor thread waited {switches} time(s) inside {calls} calls of read or a ticket's poll"
         );
     }
 }
