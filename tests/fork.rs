@@ -312,3 +312,101 @@ fn exit_code(pid: libc::pid_t, what: &str) -> i32 {
     );
     libc::WEXITSTATUS(status)
 }
+
+/// `Engine::stats` in a forked child while the parent's I/O threads are
+/// busy (reads in flight) and a parent thread takes the stats at the moment
+/// of the fork: the child's snapshot takes none of the engine's locks (the
+/// registry, each lane's queue, each drive's load), which a parent thread
+/// may have held at fork and would never release in the child. Before: it
+/// took them all, and a child whose parent thread held one hung forever.
+#[test]
+fn stats_in_a_forked_child_takes_no_lock_a_parent_thread_may_have_held() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let tmp = common::tempdir();
+    let dir = tmp.path().join("model");
+    common::synth_model(
+        &dir,
+        &SynthSpec {
+            layers: 1,
+            experts: 2,
+            expert_bytes: 256 << 10,
+            shards: 1,
+            seed: 0xf2,
+            ..SynthSpec::default()
+        },
+    );
+    let model = Model::open(ModelConfig::new(&dir)).unwrap();
+    let engine = Engine::new(&model, EngineConfig::default().chunk(Some(4096))).unwrap();
+    let t = model
+        .tensor("model.layers.0.mlp.experts.0.down_proj.weight")
+        .unwrap()
+        .clone();
+    let arena = engine
+        .arena(SlotSpec::new(t.len as usize).with_align(model.required_align()), 4)
+        .unwrap();
+    let stop = AtomicBool::new(false);
+    let mut hung = Vec::new();
+    std::thread::scope(|scope| {
+        let (engine, arena, t, stop) = (&engine, &arena, &t, &stop);
+        scope.spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                if let Some(s) = arena.take() {
+                    let _ = engine.read(t, s).map(|tk| tk.wait());
+                }
+            }
+        });
+        scope.spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                std::hint::black_box(engine.stats());
+            }
+        });
+        struct StopOnDrop<'a>(&'a AtomicBool);
+        impl Drop for StopOnDrop<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::Relaxed);
+            }
+        }
+        let _stop = StopOnDrop(stop);
+        std::thread::sleep(Duration::from_millis(50));
+        for round in 0..40 {
+            // SAFETY: the child takes the engine's stats (this crate's code
+            // and the allocator, whose fork handlers keep it usable) and
+            // `_exit`s.
+            let pid = unsafe { libc::fork() };
+            assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+            if pid == 0 {
+                let s = engine.stats();
+                let code = if s.drives.is_empty() { 40 } else { OK };
+                // SAFETY: ends the child at once, running no exit handlers.
+                unsafe { libc::_exit(code) };
+            }
+            let deadline = Instant::now() + Duration::from_secs(5);
+            let mut status = 0;
+            loop {
+                // SAFETY: waits for our own child; `status` is a valid out-pointer.
+                let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+                if r == pid {
+                    assert!(
+                        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == OK,
+                        "round {round}: {status:#x}"
+                    );
+                    break;
+                }
+                if Instant::now() > deadline {
+                    // SAFETY: kills our own child.
+                    unsafe {
+                        libc::kill(pid, libc::SIGKILL);
+                        libc::waitpid(pid, &mut status, 0);
+                    }
+                    hung.push(round);
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        }
+    });
+    assert!(
+        hung.is_empty(),
+        "Engine::stats hung in the forked child in rounds {hung:?} of 40"
+    );
+}

@@ -309,12 +309,28 @@ impl Engine {
         self.drives.iter().map(|d| d.threads.len()).sum()
     }
 
-    /// A snapshot of the counters.
+    /// A snapshot of the counters. In a forked child: the model's counters
+    /// as they were at the fork, each drive `stopped` (no lock of the
+    /// engine is taken: a parent thread may have held it at fork).
     pub fn stats(&self) -> Stats {
         let mut s = self.model.stats();
         s.backend = self.backend_name();
         s.backend_reason = self.backend_reason.clone();
         s.fixed_files = Some(self.fixed_files.clone());
+        if self.origin.forked() {
+            // A child: the registry, the lanes' queues and the drives' loads
+            // are behind locks a parent thread may have held at fork (and
+            // would never release here). The model's counters (atomics) as
+            // they were at fork, and why nothing more.
+            let why = format!(
+                "a forked child (pid {}): the engine's I/O threads are in the parent",
+                std::process::id()
+            );
+            for d in &mut s.drives {
+                d.stopped = Some(why.clone());
+            }
+            return s;
+        }
         let unregistered = lock(&self.registry).unregistered.clone();
         s.registered_buffers = Some(Feature {
             enabled: unregistered.is_none(),

@@ -274,6 +274,32 @@ pub(crate) fn sha256_hex(b: &[u8]) -> String {
     hex(&sha2::Sha256::digest(b))
 }
 
+/// sha256 (hex) of the first `len` bytes of `file` from its current
+/// offset, streamed through a 1 MiB buffer: memory stays bounded whatever
+/// `len` an index records. `Ok(None)` when the file holds fewer than `len`
+/// bytes, or more (it grew, or was not the size it was checked to be).
+pub(crate) fn sha256_of_exactly(file: &std::fs::File, len: u64) -> std::io::Result<Option<String>> {
+    use sha2::Digest;
+    let mut h = sha2::Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut r = file.take(len.saturating_add(1));
+    let mut got_total = 0u64;
+    loop {
+        let got = match r.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        got_total += got as u64;
+        if got_total > len {
+            return Ok(None);
+        }
+        h.update(&buf[..got]);
+    }
+    Ok((got_total == len).then(|| hex(&h.finalize())))
+}
+
 /// What a file of the layout holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -782,10 +808,10 @@ impl Placed {
     }
 
     /// Every folder the index names is proven by its marker (see
-    /// [`prove_root`]): else an error naming it and why.
+    /// [`prove_roots`]): else an error naming it and why.
     fn check_folders(&self) -> Result<()> {
-        for k in 0..self.index.roots.len() {
-            if let Err(why) = prove_root(&self.index, k) {
+        for (k, proof) in prove_roots(&self.index).into_iter().enumerate() {
+            if let Err(why) = proof {
                 return Err(Error::catalog(
                     self.index.folder_of(k),
                     format!(
@@ -876,11 +902,39 @@ impl Placed {
     }
 }
 
-/// Proves, for a reader, the folder of root `k` of `index`: opened without
-/// following a link ([`open_marked`]), its marker bound to it and naming
-/// the index's source, position `k` of as many roots, and the index's
-/// primary folder; not writable by group or others. `Err` says why not.
-pub(crate) fn prove_root(index: &LayoutIndex, k: usize) -> std::result::Result<(), String> {
+/// Proves, for a reader, the folder of every root of `index` (one result
+/// per root, in order): opened without following a link ([`open_marked`]),
+/// its marker bound to it and naming the index's source, position `k` of
+/// as many roots, and the index's primary folder; not writable by group or
+/// others; and owned by the user who owns the primary folder (a placement
+/// is written by one user, and `place` refuses a folder of another owner:
+/// whoever owns a folder can change the files read from it, and a marker
+/// is only JSON that its owner can write to match any inode). `Err` says
+/// why not.
+pub(crate) fn prove_roots(index: &LayoutIndex) -> Vec<std::result::Result<(), String>> {
+    let mut owner = None;
+    (0..index.roots.len())
+        .map(|k| {
+            let uid = prove_root(index, k)?;
+            match owner {
+                None if k == 0 => {
+                    owner = Some(uid);
+                    Ok(())
+                }
+                Some(o) if o == uid => Ok(()),
+                Some(o) => Err(format!(
+                    "it is owned by uid {uid}, not by uid {o} who owns the primary folder (its owner could change the \
+                     files read from it)"
+                )),
+                None => Err("the primary folder is not proven, so neither is this one".into()),
+            }
+        })
+        .collect()
+}
+
+/// [`prove_roots`] for root `k` alone, without the owner rule; `Ok` is the
+/// folder's owner.
+fn prove_root(index: &LayoutIndex, k: usize) -> std::result::Result<u32, String> {
     let r = &index.roots[k];
     let m = open_marked(r.path.as_path(), index.folder.as_os_str(), index.source.as_path())?;
     let mode = m.stat.st_mode & 0o7777;
@@ -894,7 +948,7 @@ pub(crate) fn prove_root(index: &LayoutIndex, k: usize) -> std::result::Result<(
             mk.position, mk.n_roots, mk.primary
         ));
     }
-    Ok(())
+    Ok(m.stat.st_uid)
 }
 
 /// The hook [`Model::open`](crate::Model::open) calls first: for a placed model's
@@ -992,6 +1046,22 @@ mod tests {
         let mut j = index();
         j.format = "weightstream-layout/9".into();
         assert!(j.check().unwrap_err().contains("format"));
+    }
+
+    #[test]
+    fn a_streamed_hash_reads_exactly_the_size_asked() {
+        use std::io::{Seek, Write};
+        let mut f = tempfile::tempfile().unwrap();
+        f.write_all(&[7u8; 3 << 20]).unwrap();
+        f.rewind().unwrap();
+        assert_eq!(
+            sha256_of_exactly(&f, 3 << 20).unwrap(),
+            Some(sha256_hex(&[7u8; 3 << 20]))
+        );
+        f.rewind().unwrap();
+        assert_eq!(sha256_of_exactly(&f, 1 << 20).unwrap(), None, "longer than asked");
+        f.rewind().unwrap();
+        assert_eq!(sha256_of_exactly(&f, 4 << 20).unwrap(), None, "shorter than asked");
     }
 
     #[test]

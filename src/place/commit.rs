@@ -245,16 +245,15 @@ fn same_on_disk(dir: &SafeDir, out: &Output) -> Result<std::result::Result<(), S
     }
     let file = std::fs::File::from(fd);
     if out.raw.is_empty() {
-        // An extra: compared by sha256 of the whole file (small).
-        let mut buf = Vec::new();
-        use std::io::Read;
-        (&file)
-            .read_to_end(&mut buf)
-            .map_err(|e| Error::io(&shown, "read", e))?;
+        // An extra: compared by sha256 of the whole file, streamed (it
+        // may grow after the fstat: never read past its size).
+        let sha = index::sha256_of_exactly(&file, out.size).map_err(|e| Error::io(&shown, "read", e))?;
         crate::storage::files::drop_all_pages(&file);
-        return Ok((index::sha256_hex(&buf) == out.header_sha256)
-            .then_some(())
-            .ok_or_else(|| "its sha256 differs".to_string()));
+        return Ok(match sha {
+            Some(sha) if sha == out.header_sha256 => Ok(()),
+            Some(_) => Err("its sha256 differs".to_string()),
+            None => Err("it changed size while read".to_string()),
+        });
     }
     let mut raw = vec![0u8; out.raw.len()];
     let r = crate::format::container::read_exact_at(&shown, &file, &mut raw, 0);

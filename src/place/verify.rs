@@ -99,8 +99,8 @@ pub fn verify(dir: &Path, digest: bool) -> Result<Option<PlacedVerify>> {
     // A folder the index names but whose marker does not prove it is not
     // read (the index is untrusted): a problem, and its files unchecked.
     let mut proven = Vec::with_capacity(idx.roots.len());
-    for k in 0..idx.roots.len() {
-        match index::prove_root(&idx, k) {
+    for (k, proof) in index::prove_roots(&idx).into_iter().enumerate() {
+        match proof {
             Ok(()) => proven.push(true),
             Err(why) => {
                 report.problems.push(format!(
@@ -143,13 +143,12 @@ pub fn verify(dir: &Path, digest: bool) -> Result<Option<PlacedVerify>> {
             Ok(m) if m.len() != e.size => problems.push(format!("size {} (the index says {})", m.len(), e.size)),
             Ok(_) => match crate::storage::open::open_regular(&path, true) {
                 Ok((file, _)) => {
-                    use std::io::Read;
-                    let mut buf = Vec::new();
-                    match (&file).read_to_end(&mut buf) {
-                        Ok(_) if index::sha256_hex(&buf) != e.sha256 => {
-                            problems.push("content differs (sha256)".to_string())
-                        }
-                        Ok(_) => {}
+                    // Streamed: the size is the index's (untrusted), so
+                    // the file is never read whole into memory.
+                    match index::sha256_of_exactly(&file, e.size) {
+                        Ok(Some(sha)) if sha != e.sha256 => problems.push("content differs (sha256)".to_string()),
+                        Ok(Some(_)) => {}
+                        Ok(None) => problems.push(format!("changed size while read (the index says {})", e.size)),
                         Err(err) => problems.push(format!("cannot be read ({err})")),
                     }
                     crate::storage::files::drop_all_pages(&file);

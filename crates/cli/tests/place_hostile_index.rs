@@ -467,6 +467,119 @@ fn readers_follow_an_index_only_into_proven_folders() {
 }
 
 #[test]
+fn readers_refuse_a_folder_owned_by_another_user_whatever_its_marker_says() {
+    // Another user who can write in a root (it owns it) moves this model's
+    // folder aside and makes a look-alike of their own: the same name, the
+    // files with one payload byte changed (size and header kept), and a
+    // marker rebound to the new folder's inode. The marker is only JSON its
+    // owner writes: `place` refuses such a folder (owned by another
+    // user), and readers must as well.
+    if rustix::process::geteuid().as_raw() != 0 {
+        eprintln!("SKIP: needs root (to make a folder owned by another user)");
+        return;
+    }
+    let Some(p) = Placed::new(LayoutKind::Split) else {
+        return;
+    };
+    Model::open(ModelConfig::new(&p.report.primary)).expect("the placement opens");
+    let f1 = p.folder(1);
+    let aside = f1.with_extension("aside");
+    std::fs::rename(&f1, &aside).unwrap();
+    std::fs::create_dir(&f1).unwrap();
+    std::fs::set_permissions(&f1, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let ino = std::fs::metadata(&f1).unwrap().ino();
+    let mut flipped = false;
+    for ent in std::fs::read_dir(&aside).unwrap().flatten() {
+        let name = ent.file_name();
+        let mut bytes = std::fs::read(ent.path()).unwrap();
+        if name == MARKER_FILE {
+            let mut m: Value = serde_json::from_slice(&bytes).unwrap();
+            m["folder_ino"] = json!(ino);
+            bytes = serde_json::to_vec(&m).unwrap();
+        } else if !flipped && name.to_string_lossy().ends_with(".safetensors") {
+            let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+            bytes[8 + n] ^= 0xff;
+            flipped = true;
+        }
+        std::fs::write(f1.join(&name), &bytes).unwrap();
+    }
+    assert!(flipped, "root 1 holds a shard");
+    let other = 65534;
+    for ent in std::fs::read_dir(&f1).unwrap().flatten() {
+        std::os::unix::fs::lchown(ent.path(), Some(other), Some(other)).unwrap();
+    }
+    std::os::unix::fs::lchown(&f1, Some(other), Some(other)).unwrap();
+    let e = Model::open(ModelConfig::new(&p.report.primary))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains(&f1.display().to_string()) && e.contains("owned by uid 65534") && e.contains("not followed"),
+        "{e}"
+    );
+    let out = common::run(&["verify".as_ref(), p.report.primary.as_os_str(), "--json".as_ref()]);
+    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let problems = v.to_string();
+    assert!(
+        problems.contains("owned by uid 65534") && problems.contains("not read"),
+        "{problems}"
+    );
+    // Its own folder back: it opens again.
+    std::fs::remove_dir_all(&f1).unwrap();
+    std::fs::rename(&aside, &f1).unwrap();
+    Model::open(ModelConfig::new(&p.report.primary)).expect("the original folder opens again");
+}
+
+#[test]
+fn verify_hashes_an_extra_the_index_names_without_reading_it_whole() {
+    // A hand-edited index names a large file of the primary folder as an
+    // extra (its size recorded): `verify` hashes it in bounded memory
+    // (here under a 64 MiB address space, a 96 MiB file), never reads it
+    // whole (it used to: "cannot be read (out of memory)", or gigabytes of
+    // memory for a large file).
+    use std::os::unix::process::CommandExt;
+    let Some(p) = Placed::new(LayoutKind::Split) else {
+        return;
+    };
+    let big = p.report.primary.join("big.bin");
+    let size: u64 = 96 << 20;
+    std::fs::File::create(&big).unwrap().set_len(size).unwrap();
+    let mut idx = p.index();
+    idx["extras"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"name": "big.bin", "size": size, "sha256": "0".repeat(64)}));
+    p.write_index(&idx);
+    let mut c = common::hermetic(std::process::Command::new(common::bin()));
+    c.args(["verify".as_ref(), p.report.primary.as_os_str()]);
+    // SAFETY: between fork and exec the closure only calls setrlimit,
+    // which is async-signal-safe; it allocates nothing and takes no lock.
+    unsafe {
+        c.pre_exec(|| {
+            let lim = libc::rlimit {
+                rlim_cur: 64 << 20,
+                rlim_max: 64 << 20,
+            };
+            if libc::setrlimit(libc::RLIMIT_AS, &lim) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let out = c.output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("big.bin") && text.contains("content differs (sha256)") && !text.contains("out of memory"),
+        "{text}"
+    );
+}
+
+#[test]
 fn an_index_that_names_no_file_is_refused_naming_the_index() {
     let Some(p) = Placed::new(LayoutKind::Mirror) else {
         return;
