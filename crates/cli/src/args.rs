@@ -314,6 +314,11 @@ mod tests {
         assert!(p("4097").unwrap_err().contains("multiple of 4096"));
         assert!(p("18446744073709551615").is_err());
         assert!(p("-1").is_err() && p("").is_err());
+        // The largest size the help names can be typed as it is named.
+        let big = bytes_in(1, 1 << 50, 1);
+        assert_eq!(big("1PiB"), Ok(1 << 50));
+        assert_eq!(big("1PB"), Ok(1_000_000_000_000_000));
+        assert!(big("2PiB").unwrap_err().contains("1125899906842624"));
     }
 
     #[test]

@@ -169,8 +169,9 @@ pub(crate) enum Cmd {
         /// it), mmap (mapped, every page touched, nothing copied: the pages stay in the page cache).
         #[arg(long, value_enum, default_value = "weightstream")]
         method: LoadMethod,
-        /// Only tensors whose name contains one of these (repeatable); none matching is an error.
-        #[arg(long = "name")]
+        /// Only tensors whose name contains one of these (repeatable; not empty: leave the flag out for every
+        /// tensor); none matching is an error.
+        #[arg(long = "name", value_parser = clap::builder::NonEmptyStringValueParser::new())]
         names: Vec<String>,
         /// Every payload's address a multiple of this too (a power of two, at most 4096; weightstream only).
         #[arg(long, default_value_t = 0, value_parser = load_align)]
@@ -254,8 +255,8 @@ pub(crate) enum Cmd {
         /// Order seed.
         #[arg(long, default_value_t = 1)]
         seed: u64,
-        /// Tensors whose name contains this (none matching is an error).
-        #[arg(long, default_value = ".experts.")]
+        /// Tensors whose name contains this (not empty; none matching is an error).
+        #[arg(long, default_value = ".experts.", value_parser = clap::builder::NonEmptyStringValueParser::new())]
         filter: String,
         #[command(flatten)]
         engine: EngineArgs,
@@ -577,6 +578,8 @@ pub(crate) fn parse_bytes(s: &str) -> Result<u64, String> {
         "gib" => 1 << 30,
         "t" | "tb" => 1_000_000_000_000,
         "tib" => 1 << 40,
+        "p" | "pb" => 1_000_000_000_000_000,
+        "pib" => 1 << 50,
         u => return Err(format!("{s:?}: unknown unit {u:?}")),
     };
     let too_large = || format!("{s:?}: more than {} bytes", u64::MAX);
