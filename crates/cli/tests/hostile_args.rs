@@ -237,7 +237,8 @@ fn baseline(cmd: &str, fx: &Fixture, case: &Path) -> Vec<(&'static str, OsString
             ("shards", p("1")),
         ],
         "plot" => vec![("spec", fx.spec.clone().into()), ("out", case.join("out.svg").into())],
-        "demo" => vec![("dir", case.join("demo").into()), ("size", p("1"))],
+        // The smallest demo model (4 layers, one expert each).
+        "demo" => vec![("dir", case.join("demo").into()), ("size", p("20649600"))],
         _ => vec![],
     }
 }

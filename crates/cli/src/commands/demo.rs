@@ -14,6 +14,7 @@ pub(crate) fn demo(dir: Option<PathBuf>, size: u64, keep: bool) -> CliResult {
     let flags = gen::Flags {
         command: "demo",
         experts_hint: "lower --size",
+        smaller_hint: "",
     };
     let at = dir.clone().unwrap_or_else(std::env::temp_dir);
     let spec = gen::plan(&at, size, 4, None, 1_700_000, 2, SynthSpec::default().seed, &flags)?.spec;

@@ -33,6 +33,8 @@ pub(crate) struct GenPlan {
 pub(crate) struct Flags {
     pub(crate) command: &'static str,
     pub(crate) experts_hint: &'static str,
+    /// What else than a larger `--size` makes the smallest model smaller.
+    pub(crate) smaller_hint: &'static str,
 }
 
 /// Plans the model `gen` (or `demo`) would write to `dir`, refusing one
@@ -56,6 +58,7 @@ pub(crate) fn plan(
         ));
     }
     let hidden = SynthSpec::default().hidden as u64;
+    let experts_given = experts;
     let experts = match experts {
         Some(e) => e as u64,
         None => {
@@ -90,6 +93,15 @@ pub(crate) fn plan(
     let per_layer = hidden as u128 * 2 + router + experts as u128 * 3 * proj;
     let total = embed + layers64 as u128 * per_layer;
     let bytes = u64::try_from(total).map_err(|_| format!("{cmd}: the model's size overflows u64"))?;
+    // A size below the smallest model of these layers and projections (one
+    // expert a layer) would silently write more than asked: refused.
+    if experts_given.is_none() && experts == 1 && bytes > size {
+        return Err(format!(
+            "{cmd}: --size {size} is smaller than the smallest model of {layers} layer(s) with expert projections of \
+             {expert_bytes} bytes (one expert a layer: {bytes} bytes): give --size {bytes} or more{}",
+            flags.smaller_hint
+        ));
+    }
     let largest = u64::try_from(proj.max(router).max(embed)).map_err(|_| format!("{cmd}: a tensor overflows u64"))?;
     // The payload, each shard's header (about 120 bytes a tensor) and the
     // index (about 80 bytes a tensor).
@@ -138,6 +150,7 @@ pub(crate) fn gen(
     let flags = Flags {
         command: "gen",
         experts_hint: "lower --size, raise --expert-bytes, or give fewer --layers or --experts",
+        smaller_hint: ", or fewer --layers or smaller --expert-bytes",
     };
     let plan = plan(&dir, size, layers, experts, expert_bytes, shards, seed, &flags)?;
     let spec = &plan.spec;
@@ -166,6 +179,7 @@ mod tests {
     const FLAGS: Flags = Flags {
         command: "gen",
         experts_hint: "lower --size",
+        smaller_hint: "",
     };
 
     #[test]
@@ -193,5 +207,24 @@ mod tests {
         assert!(e.contains("--shards 3 is more than --layers 2"), "{e}");
         let e = plan(d.path(), 1 << 49, 1024, Some(4096), 4 << 30, 4, 1, &FLAGS).unwrap_err();
         assert!(e.contains("tensors") || e.contains("volume"), "{e}");
+    }
+
+    /// A size below the smallest model (one expert a layer) is refused
+    /// naming that minimum, which is then accepted: never more written
+    /// than asked without saying so (before: `--size 1` wrote 0.48 GB).
+    #[test]
+    fn a_size_below_the_smallest_model_is_refused_naming_the_minimum() {
+        let d = tempfile::tempdir().unwrap();
+        let e = plan(d.path(), 1, 8, None, 19 << 20, 4, 1, &FLAGS).unwrap_err();
+        let min: u64 = e
+            .split("give --size ")
+            .nth(1)
+            .and_then(|r| r.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no minimum in {e:?}"));
+        assert!(e.contains("--size 1 is smaller than the smallest model"), "{e}");
+        let p = plan(d.path(), min, 8, None, 19 << 20, 4, 1, &FLAGS).unwrap();
+        assert_eq!(p.bytes, min);
+        assert!(plan(d.path(), min - 1, 8, None, 19 << 20, 4, 1, &FLAGS).is_err());
     }
 }
