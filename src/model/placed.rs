@@ -274,30 +274,45 @@ pub(crate) fn sha256_hex(b: &[u8]) -> String {
     hex(&sha2::Sha256::digest(b))
 }
 
-/// sha256 (hex) of the first `len` bytes of `file` from its current
-/// offset, streamed through a 1 MiB buffer: memory stays bounded whatever
-/// `len` an index records. `Ok(None)` when the file holds fewer than `len`
-/// bytes, or more (it grew, or was not the size it was checked to be).
-pub(crate) fn sha256_of_exactly(file: &std::fs::File, len: u64) -> std::io::Result<Option<String>> {
+/// sha256 (hex) of the next `len` bytes of `file` (from its current
+/// offset), streamed through a 1 MiB buffer: memory stays bounded whatever
+/// `len` an index records. `Ok(None)` when the file holds fewer.
+pub(crate) fn sha256_of_prefix(file: &std::fs::File, len: u64) -> std::io::Result<Option<String>> {
     use sha2::Digest;
     let mut h = sha2::Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    let mut r = file.take(len.saturating_add(1));
-    let mut got_total = 0u64;
-    loop {
-        let got = match r.read(&mut buf) {
-            Ok(0) => break,
+    let mut buf = vec![0u8; (1 << 20).min(len.max(1) as usize)];
+    let mut left = len;
+    let mut r = file;
+    while left > 0 {
+        let want = buf.len().min(usize::try_from(left).unwrap_or(usize::MAX));
+        let got = match r.read(&mut buf[..want]) {
+            Ok(0) => return Ok(None),
             Ok(n) => n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(e),
         };
-        got_total += got as u64;
-        if got_total > len {
-            return Ok(None);
-        }
         h.update(&buf[..got]);
+        left -= got as u64;
     }
-    Ok((got_total == len).then(|| hex(&h.finalize())))
+    Ok(Some(hex(&h.finalize())))
+}
+
+/// sha256 (hex) of exactly the next `len` bytes of `file`, which must end
+/// there: `Ok(None)` when it holds fewer bytes, or more (it grew, or was
+/// not the size it was checked to be).
+pub(crate) fn sha256_of_exactly(file: &std::fs::File, len: u64) -> std::io::Result<Option<String>> {
+    let Some(sha) = sha256_of_prefix(file, len)? else {
+        return Ok(None);
+    };
+    let (mut one, mut r) = ([0u8; 1], file);
+    loop {
+        match r.read(&mut one) {
+            Ok(0) => return Ok(Some(sha)),
+            Ok(_) => return Ok(None),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 /// What a file of the layout holds.

@@ -166,8 +166,6 @@ enum Recorded {
 /// (not followed if a link), of its size, with its header's or its whole
 /// content's sha256. `Err` says why not.
 fn is_recorded(dir: &SafeDir, name: &OsStr, rec: &Recorded) -> std::result::Result<(), String> {
-    use sha2::Digest;
-    use std::io::Read;
     let fd = rustix::fs::openat(
         &dir.fd,
         name,
@@ -187,8 +185,8 @@ fn is_recorded(dir: &SafeDir, name: &OsStr, rec: &Recorded) -> std::result::Resu
     }
     let file = std::fs::File::from(fd);
     let shown = dir.path.join(name);
-    let len = match rec {
-        Recorded::Whole { .. } => size,
+    let sha = match rec {
+        Recorded::Whole { .. } => index::sha256_of_exactly(&file, size),
         Recorded::Header { .. } => {
             let mut prefix = [0u8; 8];
             crate::format::container::read_exact_at(&shown, &file, &mut prefix, 0)
@@ -197,26 +195,17 @@ fn is_recorded(dir: &SafeDir, name: &OsStr, rec: &Recorded) -> std::result::Resu
             if n > crate::format::container::MAX_HEADER_LEN || n.saturating_add(8) > size {
                 return Err(format!("its header length {n} does not fit the file"));
             }
-            n + 8
+            // `read_exact_at` does not move the offset: hashed from byte 0.
+            index::sha256_of_prefix(&file, n + 8)
         }
-    };
-    let mut h = sha2::Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    let mut left = len;
-    let mut r = (&file).take(len);
-    while left > 0 {
-        let got = r.read(&mut buf).map_err(|e| format!("cannot be read ({e})"))?;
-        if got == 0 {
-            return Err("shrank while it was read".into());
-        }
-        h.update(&buf[..got]);
-        left -= got as u64;
     }
+    .map_err(|e| format!("cannot be read ({e})"))?;
     crate::storage::files::drop_all_pages(&file);
-    if &index::hex(&h.finalize()) != want {
-        return Err(match rec {
-            Recorded::Header { .. } => "its header differs from the one the index recorded".into(),
-            Recorded::Whole { .. } => "its content differs from what the index recorded (sha256)".into(),
+    if sha.as_ref() != Some(want) {
+        return Err(match (rec, sha) {
+            (_, None) => "changed size while it was read".into(),
+            (Recorded::Header { .. }, _) => "its header differs from the one the index recorded".into(),
+            (Recorded::Whole { .. }, _) => "its content differs from what the index recorded (sha256)".into(),
         });
     }
     Ok(())
