@@ -76,7 +76,9 @@ mod stats;
 mod storage;
 
 pub use config::{env, BackendChoice, DirectMode, EngineConfig, IoPoll, ModelConfig, RoutePolicy, SubmitMode, Weights};
-pub use engine::{DrivePlacement, Engine, Fault, Loaded, Scratch, ShutdownReport, Ticket};
+pub use engine::{
+    DrivePlacement, Engine, Fault, Lent, LentLoaded, LentTicket, Loaded, Scratch, ShutdownReport, Ticket,
+};
 pub use error::{escape, Error, HeaderError, Result};
 pub use format::catalog::{Catalog, ShardInfo, TensorRef, INDEX_FILE, MAX_INDEX_LEN};
 pub use format::container::{ShardHeader, TensorEntry, MAX_HEADER_LEN};
@@ -89,7 +91,8 @@ pub use load::{
 pub use memory::{dontfork_failures, hugepage_refusals, Arena, Slot, SlotSpec};
 pub use model::{CopyReport, FileVerdict, Model, VerifyReport};
 pub use place::{place, LayoutKind, PlaceConfig, PlaceReport};
-pub use stats::{DriveStats, FallbackCause, Feature, Stats};
+pub use plan::placement::Placement;
+pub use stats::{DriveStats, FallbackCause, Feature, StagedStats, Stats};
 pub use storage::files::{Change, Drive, FileIdentity, ShardFile};
 #[cfg(feature = "numa")]
 pub use storage::numa::Hwloc;

@@ -207,6 +207,28 @@ pub struct Feature {
     pub reason: Option<String>,
 }
 
+/// Reads into caller memory at an address out of phase with the file
+/// offset (`Engine::read_into`): their blocks went O_DIRECT into the
+/// engine's staging memory and one copy moved each payload into place.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct StagedStats {
+    /// Reads staged and copied.
+    pub reads: u64,
+    /// Payload bytes copied.
+    pub bytes: u64,
+    /// CPU time of the copies (the waiting threads'), nanoseconds.
+    pub copy_cpu_ns: u64,
+    /// Bytes of staging memory the engine mapped (registered like any arena).
+    pub staging_bytes: u64,
+}
+
+impl StagedStats {
+    /// CPU seconds the copies cost per GB (10^9 bytes) copied.
+    pub fn copy_cpu_s_per_gb(&self) -> Option<f64> {
+        (self.bytes > 0).then(|| self.copy_cpu_ns as f64 / self.bytes as f64)
+    }
+}
+
 /// A snapshot of a model's counters.
 #[derive(Debug, Clone, Serialize)]
 pub struct Stats {
@@ -233,6 +255,8 @@ pub struct Stats {
     pub registered_buffers: Option<Feature>,
     /// Per drive.
     pub drives: Vec<DriveStats>,
+    /// Reads into caller memory staged and copied (engines only).
+    pub staged: StagedStats,
 }
 
 impl Stats {

@@ -132,8 +132,9 @@ fn one_packed_arena_holds_every_tensor_of_every_size() {
 
 /// `read_into` with no scratch writes exactly the payload at the offset
 /// asked for: every other byte of the caller's memory keeps its pattern.
-/// Payloads whose file offset starts a block read O_DIRECT; the others go
-/// buffered into place, counted as `placed`.
+/// Payloads whose file offset starts a block read O_DIRECT in place; the
+/// others go O_DIRECT through staging and one copy (counted as staged),
+/// never buffered, no fallback counted.
 #[test]
 fn read_into_writes_exactly_the_payload_where_asked() {
     let tmp = common::tempdir();
@@ -180,17 +181,32 @@ fn read_into_writes_exactly_the_payload_where_asked() {
         let stray = b.iter().zip(&covered).filter(|(&x, &c)| !c && x != GUARD).count();
         assert_eq!(stray, 0, "{backend:?}: bytes outside the payloads were written");
         let after = e.stats();
-        let placed = |st: &weightstream::Stats| {
-            st.drives
+        if common::fs_reads_o_direct(&tmp.path().join("m")) {
+            let in_place = tensors
                 .iter()
-                .map(|d| d.fallbacks.get("placed").copied().unwrap_or(0))
-                .sum::<u64>()
-        };
-        let aligned = tensors.iter().filter(|t| t.offset % 4096 == 0).count() as u64;
-        assert!(
-            placed(&after) - placed(&before) >= tensors.len() as u64 - aligned - 1,
-            "{backend:?}"
-        );
+                .zip(&places)
+                .filter(|(t, &p)| t.offset % 4096 == 0 && p % 4096 == 0 && t.len >= 4096)
+                .count() as u64;
+            assert_eq!(
+                after.fallbacks_total(),
+                before.fallbacks_total(),
+                "{backend:?}: {after:?}"
+            );
+            assert_eq!(after.reads_buffered(), before.reads_buffered(), "{backend:?}");
+            assert_eq!(
+                after.staged.reads - before.staged.reads,
+                tensors.len() as u64 - in_place,
+                "{backend:?}"
+            );
+            let staged_bytes: u64 = tensors
+                .iter()
+                .zip(&places)
+                .filter(|(t, &p)| !(t.offset % 4096 == 0 && p % 4096 == 0 && t.len >= 4096))
+                .map(|(t, _)| t.len)
+                .sum();
+            assert_eq!(after.staged.bytes - before.staged.bytes, staged_bytes, "{backend:?}");
+            assert!(after.staged.staging_bytes > 0);
+        }
     }
 }
 
@@ -255,7 +271,7 @@ fn read_into_with_scratch_reads_direct_and_stays_within_a_block() {
 }
 
 /// A placement that overlaps a slot in use is an error, not a wait, and not
-/// a write; caller memory off the page reads buffered (counted), correctly.
+/// a write; caller memory off the page reads through staging, correctly.
 #[test]
 fn overlapping_or_misaligned_caller_memory() {
     let tmp = common::tempdir();
@@ -277,12 +293,30 @@ fn overlapping_or_misaligned_caller_memory() {
     );
     drop(held);
     drop(arena);
-    // One byte off the page: every read goes buffered, bytes still right.
+    // One byte off the page: staged (out of phase), bytes still right;
+    // in phase (at 4095 + the file's pad) it is in place.
     let off = NonNull::new(mem.ptr.as_ptr().wrapping_add(1)).unwrap();
     // SAFETY: inside `mem`, which outlives the arena.
     let arena = unsafe { e.register_memory(off, mem.layout.size() - 1) }.unwrap();
+    let staged0 = e.stats().staged.reads;
     let l = e.read_into(&t, &arena, 0, Scratch::Before).unwrap().wait().unwrap();
     assert!(synth::verify(s.seed, &t.name, &l));
+    assert_eq!(l.offset(), 0);
+    drop(l);
+    let at = 4095 + (t.offset % 4096) as usize;
+    let l = e.read_into(&t, &arena, at, Scratch::Blocks).unwrap().wait().unwrap();
+    assert!(synth::verify(s.seed, &t.name, &l));
+    assert_eq!(
+        (l.offset(), l.as_ptr() as usize % 4096),
+        (at, (t.offset % 4096) as usize)
+    );
+    if common::fs_reads_o_direct(&tmp.path().join("m")) {
+        assert_eq!(
+            e.stats().staged.reads - staged0,
+            1,
+            "only the read out of phase is staged"
+        );
+    }
 }
 
 /// Rows and byte ranges of a tensor read like any other, with the bytes the
@@ -485,7 +519,9 @@ fn release_waits_for_a_dropped_tickets_read_before_the_memory_may_be_freed() {
         let mem = Owned::new(4 << 20, GUARD);
         // SAFETY: `mem` is freed only after `release` returned Ok.
         let arena = unsafe { e.register_memory(mem.ptr, 4 << 20) }.unwrap();
-        let ticket = e.read_into(&t, &arena, 0, Scratch::None).unwrap();
+        // In phase and in place (a staged read would hold staging, not this).
+        let at = (t.offset % 4096) as usize;
+        let ticket = e.read_into(&t, &arena, at, Scratch::Blocks).unwrap();
         drop(ticket); // in flight: its read holds the slot
         let arena = arena
             .release(Duration::from_millis(20))
@@ -496,8 +532,9 @@ fn release_waits_for_a_dropped_tickets_read_before_the_memory_may_be_freed() {
         // The payload landed (and nothing after it was written) before Ok.
         let mut want = vec![0u8; t.len as usize];
         synth::fill(s.seed, &t.name, 0, &mut want);
-        assert!(mem.bytes()[..t.len as usize] == want[..], "{backend:?}");
-        assert!(mem.bytes()[t.len as usize..].iter().all(|&b| b == GUARD), "{backend:?}");
+        assert!(mem.bytes()[at..at + t.len as usize] == want[..], "{backend:?}");
+        let blocks_end = (at + t.len as usize).next_multiple_of(4096);
+        assert!(mem.bytes()[blocks_end..].iter().all(|&b| b == GUARD), "{backend:?}");
         drop(mem);
     }
 }
@@ -535,9 +572,10 @@ fn cold() {
 }
 
 /// `Scratch::None` on a payload that starts a block of its file, at an
-/// aligned address: the whole blocks go O_DIRECT (not the `placed`
-/// fallback), the tail buffered, and not one byte around the payload is
-/// written; at an unaligned address the same payload is placed.
+/// aligned address: the whole blocks go O_DIRECT in place, the tail
+/// buffered, and not one byte around the payload is written; at an
+/// unaligned address the same payload is staged (O_DIRECT, one copy), and
+/// still nothing around it is written.
 #[test]
 fn a_payload_on_a_block_reads_direct_into_caller_memory_without_scratch() {
     let tmp = common::tempdir();
@@ -558,19 +596,16 @@ fn a_payload_on_a_block_reads_direct_into_caller_memory_without_scratch() {
         // SAFETY: `mem` outlives the arena and every read into it (all
         // waited for and dropped before `mem`).
         let arena = unsafe { e.register_memory(mem.ptr, 64 << 10) }.unwrap();
-        let placed = |e: &Engine| -> u64 { e.stats().drives.iter().filter_map(|d| d.fallbacks.get("placed")).sum() };
+        let fallbacks = |e: &Engine| -> u64 { e.stats().fallbacks_total() };
         let direct = |e: &Engine| -> u64 { e.stats().reads_direct() };
-        for (at, goes_direct) in [(4096usize, true), (4096 + 64, false)] {
-            let (p0, d0) = (placed(&e), direct(&e));
+        let staged = |e: &Engine| -> u64 { e.stats().staged.reads };
+        for (at, in_place) in [(4096usize, true), (4096 + 64, false)] {
+            let (f0, d0, s0) = (fallbacks(&e), direct(&e), staged(&e));
             let l = e.read_into(&t, &arena, at, Scratch::None).unwrap().wait().unwrap();
             assert!(l[..] == file[8192..8192 + 10_000], "{backend:?} at {at}");
             drop(l);
-            let (dp, dd) = (placed(&e) - p0, direct(&e) - d0);
-            assert_eq!(
-                (dd, dp),
-                if goes_direct { (1, 0) } else { (0, 1) },
-                "{backend:?} at {at}"
-            );
+            let (df, dd, ds) = (fallbacks(&e) - f0, direct(&e) - d0, staged(&e) - s0);
+            assert_eq!((dd, df, ds), (1, 0, u64::from(!in_place)), "{backend:?} at {at}");
             let b = mem.bytes();
             assert!(
                 b[..at].iter().all(|&x| x == GUARD),

@@ -167,6 +167,22 @@ impl<S> Request<S> {
         Self::take(&mut st)
     }
 
+    /// Blocks until every chunk has completed, taking nothing: true when
+    /// the kernel is finished with the slot, false when a chunk was
+    /// abandoned while the kernel may still write into it (the slot is
+    /// leaked, see [`Request::abandon`]).
+    pub(crate) fn settle(&self) -> bool {
+        let mut st = lock(&self.state);
+        while !st.done {
+            st.sleeping = true;
+            st = match self.done_cv.wait(st) {
+                Ok(g) => g,
+                Err(p) => p.into_inner(),
+            };
+        }
+        !st.leak
+    }
+
     /// [`Request::wait`] for at most `timeout`: `None` when the request is
     /// still in flight then (nothing taken).
     pub(crate) fn wait_timeout(&self, timeout: std::time::Duration) -> Option<Outcome<S>> {

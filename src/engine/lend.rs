@@ -2,43 +2,133 @@
 //! runtime, a buffer of a C engine, a `Vec`'s allocation. It becomes an
 //! [`Arena`] whose memory this crate never frees or unmaps, registered with
 //! the rings like any arena, and reads land a payload at an offset the
-//! caller names ([`Engine::read_into`]).
+//! caller names ([`Engine::read_into`]) or one the engine chooses
+//! ([`Engine::read_anywhere`], [`Engine::placement`]).
+//!
+//! Which reads are direct. O_DIRECT moves whole blocks of the file (`A` =
+//! [`Engine::direct_align`] bytes) to an `A`-aligned address, so a payload
+//! at file offset `off` can be read in place only where its address's
+//! offset within a block (its phase) is `off % A`. At such an address the
+//! read is in place and O_DIRECT; at any other, its blocks go O_DIRECT into
+//! registered staging memory of the engine and one copy moves the payload
+//! into place when the ticket is waited on (counted: [`Stats::staged`]).
+//! No read into caller memory goes through the page cache unless no copy
+//! of its shard can be opened O_DIRECT (counted as that fallback).
+//!
+//! The safe way to lend memory is [`Engine::lend`]: a `&mut [u8]` for the
+//! length of a closure, which returns only once the kernel is done with
+//! it. [`Engine::register_memory`] lends raw memory for as long as the
+//! caller promises (`unsafe`: a C engine's buffer, a GPU runtime's pinned
+//! host memory).
+//!
+//! [`Stats::staged`]: crate::Stats::staged
 
+use std::marker::PhantomData;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
-use crate::engine::ticket::Ticket;
+use crate::config::DirectMode;
+use crate::engine::inflight::Request;
+use crate::engine::sync::Arc as ReqArc;
+use crate::engine::ticket::{Loaded, Ticket};
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::format::catalog::TensorRef;
+use crate::format::dtype::Dtype;
+use crate::format::element::Element;
 use crate::memory::region::Region;
-use crate::memory::{Arena, SlotSpec};
+use crate::memory::{Arena, Slot, SlotSpec};
+use crate::plan::placement::{window_bytes, Placement};
 
-/// What [`Engine::read_into`] may write besides the payload.
+/// What [`Engine::read_into`] may write besides the payload, when the
+/// payload's address is in phase with its file offset (see the module
+/// docs); at any other address only the payload is written, whatever this
+/// says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Scratch {
-    /// Nothing: exactly the payload's bytes are written. When the payload
-    /// starts an O_DIRECT block of its file and its address is aligned too,
-    /// its whole blocks go O_DIRECT and the tail buffered; otherwise the
-    /// read goes buffered straight into place (counted as the `placed`
-    /// fallback).
+    /// Nothing: exactly the payload's bytes are written. A payload that
+    /// starts a block of its file (`off % A == 0`), at an aligned address
+    /// and at least a block long, reads its whole blocks in place O_DIRECT
+    /// and the rest of its last block buffered; any other goes O_DIRECT
+    /// through staging and one copy.
     #[default]
     None,
-    /// Up to one block (the model's alignment, 4096 bytes typically) before
-    /// the payload may be overwritten, so the O_DIRECT window can start on
-    /// a block: in-place direct reads for any file offset, as in an
-    /// engine's own arenas. When those bytes belong to another slot in use,
-    /// the read falls back to [`Scratch::None`].
+    /// The bytes of the payload's first block before it (`off % A` bytes)
+    /// may be overwritten: at an in-phase address the read is in place,
+    /// its whole blocks O_DIRECT and the rest of its last block buffered.
     Before,
+    /// The payload's whole blocks may be overwritten: the bytes of its
+    /// first block before it and the rest of its last block after it. At
+    /// an in-phase address every block is read in place O_DIRECT (only a
+    /// last block that passes the end of the file is read buffered). This
+    /// is what [`Engine::placement`] lays memory out for.
+    Blocks,
+}
+
+/// Engine-owned staging for reads whose address is out of phase: packed,
+/// registered arenas that grow to the peak of staged bytes in flight (each
+/// new one at least as large as all before it, so at most about twice that
+/// peak), freed with the engine.
+#[derive(Default)]
+pub(crate) struct Staging {
+    arenas: Mutex<Vec<Arena>>,
+    pub(crate) counters: Arc<StagingCounters>,
+}
+
+/// Counters of staged reads (all threads).
+#[derive(Default, Debug)]
+pub(crate) struct StagingCounters {
+    pub(crate) reads: AtomicU64,
+    pub(crate) bytes: AtomicU64,
+    /// CPU time of the copies, nanoseconds (the waiting thread's).
+    pub(crate) copy_ns: AtomicU64,
+    /// Bytes of staging memory mapped.
+    pub(crate) mapped: AtomicU64,
+}
+
+/// The smallest staging arena: room for a few experts' projections.
+const STAGING_MIN: usize = 16 << 20;
+
+/// A staged read's destination: the payload's exact bytes in the caller's
+/// memory, filled from the staging slot when the ticket resolves.
+pub(crate) struct Staged {
+    dest: Slot,
+    counters: Arc<StagingCounters>,
+}
+
+impl Staged {
+    /// Copies the payload (`len` bytes at `pad` in `stage`) into place and
+    /// hands back the staging slot; the caller's thread pays the copy.
+    pub(crate) fn finish(mut self, stage: Slot, pad: usize, len: usize) -> (Slot, usize) {
+        let t0 = thread_cpu_ns();
+        self.dest.as_bytes_mut()[..len].copy_from_slice(&stage.as_bytes()[pad..pad + len]);
+        let t1 = thread_cpu_ns();
+        drop(stage);
+        let c = &self.counters;
+        c.reads.fetch_add(1, Ordering::Relaxed);
+        c.bytes.fetch_add(len as u64, Ordering::Relaxed);
+        c.copy_ns.fetch_add(t1.saturating_sub(t0), Ordering::Relaxed);
+        (self.dest, 0)
+    }
+}
+
+fn thread_cpu_ns() -> u64 {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    (t.tv_sec as u64)
+        .saturating_mul(1_000_000_000)
+        .saturating_add(t.tv_nsec as u64)
 }
 
 impl Engine {
     /// Lends `len` bytes of the caller's memory at `ptr` to the engine, as
     /// an [`Arena`] registered with every ring (the same RLIMIT_MEMLOCK
     /// fallback as [`Engine::arena`]). Read into it with
-    /// [`Engine::read_into`], or take slots with [`Arena::take_for`] /
-    /// [`Arena::take_sized`]. The memory is never freed, unmapped or
-    /// advised by this crate. Page-aligned memory reads O_DIRECT; anything
-    /// else is read buffered (counted per read as a fallback).
+    /// [`Engine::read_into`] or [`Engine::read_anywhere`], or take slots
+    /// with [`Arena::take_for`] / [`Arena::take_sized`]. The memory is
+    /// never freed, unmapped or advised by this crate. Which reads are in
+    /// place and O_DIRECT: see [`Engine::read_into`]. Prefer the safe
+    /// [`Engine::lend`] where the memory is a Rust slice.
     ///
     /// # Safety
     /// - `ptr..ptr + len` is valid for reads and writes, and stays so (not
@@ -66,13 +156,64 @@ impl Engine {
         Ok(arena)
     }
 
+    /// The block size `A` of O_DIRECT reads of this model (the largest
+    /// alignment any of its files needs, at least 4096): a payload at file
+    /// offset `off` is read in place O_DIRECT at an address `a` with
+    /// `a % A == off % A`.
+    pub fn direct_align(&self) -> usize {
+        self.model.required_align()
+    }
+
+    /// Where the payloads of `tensors` land in `memory` (an arena from
+    /// [`Engine::register_memory`] or [`Engine::packed_arena`]) so that
+    /// every read of them with [`Scratch::Blocks`] is in place and
+    /// O_DIRECT: back to back from its first aligned address, each on its
+    /// phase. Errors when they do not fit in `memory` (the message gives
+    /// the bytes they need).
+    pub fn placement(&self, tensors: &[&TensorRef], memory: &Arena) -> Result<Placement> {
+        let (base, bytes) = memory.region();
+        let p = Placement::of_tensors(tensors, base as usize, self.direct_align())?;
+        if p.bytes() > bytes {
+            return Err(Error::Config(format!(
+                "placement: {} tensors need {} bytes of this memory (from its first {}-aligned address), it has {bytes}",
+                tensors.len(),
+                p.bytes(),
+                self.direct_align()
+            )));
+        }
+        Ok(p)
+    }
+
+    /// The bytes memory must have (wherever it starts) to hold `tensors`
+    /// placed by [`Engine::placement`].
+    pub fn placement_bytes(&self, tensors: &[&TensorRef]) -> Result<usize> {
+        Placement::bytes_for(tensors.iter().map(|t| (t.offset, t.len)), self.direct_align())
+    }
+
     /// Reads `tensor` (or a range of it: [`TensorRef::byte_range`],
     /// [`TensorRef::rows`]) so that its payload lands at byte `at` of
-    /// `memory` (an arena from [`Engine::register_memory`], or a packed
-    /// arena), writing nothing after the payload and, with
-    /// [`Scratch::None`], nothing before it. The range must not overlap a
-    /// slot of `memory` in use (a read in flight, a `Loaded` held): that is
-    /// an error, not a wait.
+    /// `memory` (an arena from [`Engine::register_memory`] or
+    /// [`Engine::packed_arena`]). The range must not overlap a slot of
+    /// `memory` in use (a read in flight, a `Loaded` held): that is an
+    /// error, not a wait.
+    ///
+    /// Which addresses are direct, with `A` = [`Engine::direct_align`] and
+    /// `off` the tensor's file offset:
+    /// - **In phase** (`(memory base + at) % A == off % A`) and `scratch`
+    ///   allows it: in place, O_DIRECT. [`Scratch::Blocks`] reads every
+    ///   block direct; [`Scratch::Before`] and (for `off % A == 0`)
+    ///   [`Scratch::None`] read the rest of the last block buffered.
+    /// - **Anywhere else**: the payload's blocks go O_DIRECT into the
+    ///   engine's registered staging memory, and one copy moves exactly the
+    ///   payload's bytes into place when the ticket is waited on (or
+    ///   polled), on that thread. Counted in [`Stats::staged`] with the
+    ///   copy's CPU time. Nothing but the payload is written.
+    ///
+    /// Only when no copy of the shard can be read O_DIRECT (`DirectMode::Off`,
+    /// or the file system refused O_DIRECT, counted) does the read go
+    /// buffered straight into place.
+    ///
+    /// [`Stats::staged`]: crate::Stats::staged
     pub fn read_into(&self, tensor: &TensorRef, memory: &Arena, at: usize, scratch: Scratch) -> Result<Ticket> {
         // First: in a forked child nothing below may lock (a parent thread
         // may have held the arena's lock at fork) or take a slot.
@@ -86,33 +227,395 @@ impl Engine {
                 memory.bytes()
             ))
         })?;
-        let align = self.model.required_align();
+        if !memory.is_packed() {
+            return Err(Error::Config(format!(
+                "tensor {}: read_into needs memory from Engine::register_memory, Engine::lend or Engine::packed_arena, not an arena of fixed slots (use Engine::read with Arena::take)",
+                tensor.name
+            )));
+        }
+        let align = self.direct_align();
         let spec = SlotSpec::new(len).with_align(align);
         let pad = (tensor.offset % align as u64) as usize;
-        // With scratch: the window's block starts `pad` bytes before the
-        // payload, inside the memory and on an aligned address.
-        let with_scratch = (scratch == Scratch::Before && at >= pad)
-            .then(|| memory.take_at(at - pad, pad + len, spec, false))
-            .flatten()
-            .filter(|s| (s.base() as usize).is_multiple_of(align));
-        // No scratch needed: the payload starts a block of its file and
-        // lands on an aligned address, so the whole blocks go O_DIRECT and
-        // only the tail is read buffered, nothing written after it.
-        let on_block = || {
-            (pad == 0 && len > 0)
-                .then(|| memory.take_at(at, len, spec, false))
-                .flatten()
-                .filter(|s| (s.base() as usize).is_multiple_of(align))
+        let direct = self.can_read_direct(tensor);
+        let addr = (memory.region().0 as usize).wrapping_add(at);
+        if direct && len > 0 && at >= pad && addr % align == pad {
+            // In phase: the window's first block starts `pad` bytes before
+            // the payload, on an aligned address inside the memory.
+            let start = at - pad;
+            let blocks = window_bytes(pad, tensor.len, align)
+                .filter(|w| start.checked_add(*w).is_some_and(|e| e <= memory.bytes()));
+            let in_place = match (scratch, blocks) {
+                (Scratch::Blocks, Some(w)) => memory.take_at(start, w, spec.with_tail_room(true), false),
+                (Scratch::Blocks | Scratch::Before, _) if pad + len >= align => {
+                    memory.take_at(start, pad + len, spec, false)
+                }
+                (Scratch::None, _) if pad == 0 && len >= align => memory.take_at(at, len, spec, false),
+                _ => None,
+            };
+            if let Some(slot) = in_place {
+                return self.read(tensor, slot);
+            }
+        }
+        // Exactly the payload's bytes, whatever goes around them.
+        let dest = memory.take_at(at, len, spec, true).ok_or_else(|| {
+            Error::Config(format!(
+                "tensor {}: bytes [{at}, {end}) of the memory overlap a slot in use (a read in flight or a Loaded still held)",
+                tensor.name
+            ))
+        })?;
+        if !direct || len == 0 {
+            // Buffered into place: the refusal is counted when it is planned.
+            return self.read(tensor, dest);
+        }
+        let stage = self.staging_slot(tensor, pad, align)?;
+        let ticket = self.read(tensor, stage)?;
+        Ok(ticket.staged(Staged {
+            dest,
+            counters: Arc::clone(&self.staging.counters),
+        }))
+    }
+
+    /// Reads `tensor` into `memory` (an arena from
+    /// [`Engine::register_memory`] or [`Engine::packed_arena`]) at a place
+    /// the engine chooses: the lowest free run of its whole blocks, in
+    /// phase, so the read is in place and O_DIRECT (as
+    /// [`Scratch::Blocks`]). Returns the payload's offset in `memory` and
+    /// the ticket; errors when no free run of the memory holds it.
+    pub fn read_anywhere(&self, tensor: &TensorRef, memory: &Arena) -> Result<(usize, Ticket)> {
+        self.origin.check()?;
+        if !memory.is_packed() {
+            return Err(Error::Config(format!(
+                "tensor {}: read_anywhere needs memory from Engine::register_memory, Engine::lend or Engine::packed_arena (for fixed slots use Engine::read with Arena::take)",
+                tensor.name
+            )));
+        }
+        let align = self.direct_align();
+        let pad = (tensor.offset % align as u64) as usize;
+        let len = usize::try_from(tensor.len)
+            .map_err(|_| Error::Config(format!("tensor {}: {} bytes do not fit usize", tensor.name, tensor.len)))?;
+        let want = window_bytes(pad, tensor.len, align)
+            .ok_or_else(|| Error::Config(format!("tensor {}: its blocks do not fit usize", tensor.name)))?;
+        let spec = SlotSpec::new(len).with_align(align).with_tail_room(true);
+        let slot = memory.take_window(want, spec).ok_or_else(|| {
+            Error::Config(format!(
+                "tensor {}: no free run of {want} bytes ({len} bytes of payload in whole {align}-byte blocks) in the {}-byte memory ({} bytes free)",
+                tensor.name,
+                memory.bytes(),
+                memory.available()
+            ))
+        })?;
+        let at = slot.offset() + pad;
+        Ok((at, self.read(tensor, slot)?))
+    }
+
+    /// Whether some copy of `tensor`'s shard can be read O_DIRECT.
+    fn can_read_direct(&self, tensor: &TensorRef) -> bool {
+        self.model.direct_mode() != DirectMode::Off
+            && self
+                .model
+                .copies(tensor.shard)
+                .iter()
+                .any(|&i| self.model.files()[i].direct.is_some())
+    }
+
+    /// A staging slot for `tensor`'s whole blocks, from the first staging
+    /// arena with room, or a new one (registered like any arena).
+    fn staging_slot(&self, tensor: &TensorRef, pad: usize, align: usize) -> Result<Slot> {
+        let len = tensor.len as usize;
+        let want = window_bytes(pad, tensor.len, align)
+            .ok_or_else(|| Error::Config(format!("tensor {}: its blocks do not fit usize", tensor.name)))?;
+        let spec = SlotSpec::new(len).with_align(align).with_tail_room(true);
+        let mut arenas = self.staging.arenas.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(s) = arenas.iter().find_map(|a| a.take_window(want, spec)) {
+            return Ok(s);
+        }
+        let have: usize = arenas.iter().map(Arena::bytes).sum();
+        let bytes = want.max(STAGING_MIN).max(have);
+        let arena = self.packed_arena(bytes, true).map_err(|e| {
+            Error::Config(format!(
+                "tensor {}: its address in the caller's memory is out of phase with its file offset, and {bytes} bytes of staging could not be mapped: {e}",
+                tensor.name
+            ))
+        })?;
+        tracing::info!(
+            "staging: mapped {} bytes for reads into caller memory out of phase (tensor {})",
+            arena.bytes(),
+            tensor.name
+        );
+        self.staging
+            .counters
+            .mapped
+            .fetch_add(arena.bytes() as u64, Ordering::Relaxed);
+        let slot = arena.take_window(want, spec).ok_or_else(|| {
+            Error::Config(format!(
+                "tensor {}: a fresh staging arena of {bytes} bytes has no run of {want}",
+                tensor.name
+            ))
+        })?;
+        arenas.push(arena);
+        Ok(slot)
+    }
+
+    /// Lends `memory` to the engine for the length of `f`: the safe form
+    /// of [`Engine::register_memory`]. `f` reads into it through the
+    /// [`Lent`] it is given ([`Lent::read_into`], [`Lent::read_anywhere`],
+    /// [`Lent::placement`]); payloads come back as [`LentLoaded`], which
+    /// cannot outlive the call. `lend` returns only once the kernel is
+    /// done with every read into the memory, also when `f` panics or a
+    /// ticket was dropped or forgotten, so the memory is the caller's
+    /// again, with every payload read into it, when `lend` returns.
+    ///
+    /// If an I/O thread died with a read into the memory still in the
+    /// kernel (see the failure model), returning could hand the caller
+    /// memory the kernel may still write: the process is aborted instead,
+    /// with a message.
+    ///
+    /// ```
+    /// use weightstream::{Dtype, Engine, EngineConfig, Model, ModelConfig, Scratch};
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let dir = weightstream::__internal::doc_model("lend", &[("a", Dtype::U8, 9000), ("b", Dtype::U8, 7000)])?;
+    /// let model = Model::open(ModelConfig::new(&dir))?;
+    /// let engine = Engine::new(&model, EngineConfig::default())?;
+    /// let (a, b) = (model.tensor("a")?, model.tensor("b")?);
+    /// let mut buf = vec![0u8; engine.placement_bytes(&[a, b])?];
+    /// let placed = engine.lend(&mut buf, |mem| -> weightstream::Result<_> {
+    ///     let p = mem.placement(&[a, b])?; // in phase: in place and O_DIRECT
+    ///     let ta = mem.read_into(a, p.at(0), Scratch::Blocks)?;
+    ///     let tb = mem.read_into(b, p.at(1), Scratch::Blocks)?;
+    ///     assert_eq!((ta.wait()?.len(), tb.wait()?.len()), (9000, 7000));
+    ///     Ok(p)
+    /// })??;
+    /// // The memory is the caller's again, with both payloads in it.
+    /// assert_eq!(buf[placed.at(1) + 5], 5);
+    /// # drop(engine);
+    /// # std::fs::remove_dir_all(&dir)?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn lend<'mem, F, R>(&self, memory: &'mem mut [u8], f: F) -> Result<R>
+    where
+        F: for<'scope> FnOnce(&'scope Lent<'scope, 'mem>) -> R,
+    {
+        self.origin.check()?;
+        let ptr = NonNull::new(memory.as_mut_ptr())
+            .filter(|_| !memory.is_empty())
+            .ok_or_else(|| Error::Config("lend: the memory is empty".into()))?;
+        // SAFETY: `memory` is borrowed mutably for 'mem, which outlives
+        // this call, and this call returns only after `SettleOnExit` has
+        // seen every read into it complete (or aborts): the memory stays
+        // valid while the kernel or this crate may touch it. The caller
+        // cannot reach it during the call (it is borrowed), `f` reaches it
+        // only through slots of this arena, and `LentLoaded`s cannot leave
+        // `f`. A forgotten slot or `Loaded` keeps only an address.
+        let arena = unsafe { self.register_memory(ptr, memory.len())? };
+        let lent = Lent {
+            engine: self,
+            arena,
+            reads: Mutex::new(Vec::new()),
+            _scope: PhantomData,
+            _mem: PhantomData,
         };
-        let slot = match with_scratch.or_else(on_block) {
-            Some(s) => s,
-            None => memory.take_at(at, len, spec, true).ok_or_else(|| {
-                Error::Config(format!(
-                    "tensor {}: bytes [{at}, {end}) of the memory overlap a slot in use (a read in flight or a Loaded still held)",
-                    tensor.name
-                ))
-            })?,
-        };
-        self.read(tensor, slot)
+        let guard = SettleOnExit(&lent);
+        let r = f(&lent);
+        drop(guard);
+        Ok(r)
+    }
+}
+
+/// Waits, when a [`Lent`] scope ends (normally or by a panic), until the
+/// kernel is done with every read into the lent memory.
+struct SettleOnExit<'a, 'scope, 'mem>(&'a Lent<'scope, 'mem>);
+
+impl Drop for SettleOnExit<'_, '_, '_> {
+    fn drop(&mut self) {
+        if self.0.engine.origin.forked() {
+            // A forked child: the engine's threads are not here, and the
+            // kernel writes into the parent's pages, not this copy.
+            return;
+        }
+        let reads = std::mem::take(&mut *self.0.reads.lock().unwrap_or_else(|p| p.into_inner()));
+        for r in reads {
+            if !r.settle() {
+                eprintln!(
+                    "weightstream: an I/O thread stopped with a read into memory lent by Engine::lend still in the kernel; \
+                     returning would hand that memory back while the kernel may write it: aborting"
+                );
+                std::process::abort();
+            }
+        }
+    }
+}
+
+/// Memory lent to an engine for the length of an [`Engine::lend`] call.
+pub struct Lent<'scope, 'mem> {
+    engine: &'scope Engine,
+    arena: Arena,
+    /// Every read into the memory (pruned of finished ones as it grows).
+    reads: Mutex<Vec<ReqArc<Request<Slot>>>>,
+    /// Invariant in 'scope, as `std::thread::Scope`.
+    _scope: PhantomData<&'scope mut &'scope ()>,
+    _mem: PhantomData<&'mem mut [u8]>,
+}
+
+impl std::fmt::Debug for Lent<'_, '_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lent").field("bytes", &self.arena.bytes()).finish()
+    }
+}
+
+impl<'scope> Lent<'scope, '_> {
+    /// Bytes of the lent memory.
+    pub fn len(&self) -> usize {
+        self.arena.bytes()
+    }
+
+    /// Whether the memory is empty (never: `lend` refuses that).
+    pub fn is_empty(&self) -> bool {
+        self.arena.bytes() == 0
+    }
+
+    /// Bytes not held by a read in flight or a payload.
+    pub fn available(&self) -> usize {
+        self.arena.available()
+    }
+
+    /// [`Engine::placement`] in this memory.
+    pub fn placement(&self, tensors: &[&TensorRef]) -> Result<Placement> {
+        self.engine.placement(tensors, &self.arena)
+    }
+
+    /// [`Engine::read_into`] this memory at byte `at`.
+    pub fn read_into(&self, tensor: &TensorRef, at: usize, scratch: Scratch) -> Result<LentTicket<'scope>> {
+        let t = self.engine.read_into(tensor, &self.arena, at, scratch)?;
+        Ok(self.track(t))
+    }
+
+    /// [`Engine::read_anywhere`] in this memory: the payload's offset and
+    /// its ticket.
+    pub fn read_anywhere(&self, tensor: &TensorRef) -> Result<(usize, LentTicket<'scope>)> {
+        let (at, t) = self.engine.read_anywhere(tensor, &self.arena)?;
+        Ok((at, self.track(t)))
+    }
+
+    fn track(&self, t: Ticket) -> LentTicket<'scope> {
+        let mut reads = self.reads.lock().unwrap_or_else(|p| p.into_inner());
+        if reads.len() >= 64 && reads.len().is_power_of_two() {
+            reads.retain(|r| !r.is_done());
+        }
+        reads.push(t.request());
+        LentTicket {
+            ticket: t,
+            _scope: PhantomData,
+        }
+    }
+}
+
+/// A read into lent memory in flight ([`Ticket`], bound to the
+/// [`Engine::lend`] call). Also a `Future`.
+#[derive(Debug)]
+#[must_use = "a ticket owns its slot; wait() for the payload"]
+pub struct LentTicket<'scope> {
+    ticket: Ticket,
+    _scope: PhantomData<&'scope mut &'scope ()>,
+}
+
+impl<'scope> LentTicket<'scope> {
+    /// [`Ticket::wait`].
+    pub fn wait(self) -> Result<LentLoaded<'scope>> {
+        self.ticket.wait().map(LentLoaded::new)
+    }
+
+    /// [`Ticket::wait_timeout`].
+    pub fn wait_timeout(self, timeout: std::time::Duration) -> std::result::Result<Result<LentLoaded<'scope>>, Self> {
+        match self.ticket.wait_timeout(timeout) {
+            Ok(r) => Ok(r.map(LentLoaded::new)),
+            Err(ticket) => Err(LentTicket {
+                ticket,
+                _scope: PhantomData,
+            }),
+        }
+    }
+
+    /// Whether every chunk has completed.
+    pub fn is_ready(&self) -> bool {
+        self.ticket.is_ready()
+    }
+
+    /// The name of the tensor being read.
+    pub fn name(&self) -> &str {
+        self.ticket.name()
+    }
+}
+
+impl<'scope> std::future::Future for LentTicket<'scope> {
+    type Output = Result<LentLoaded<'scope>>;
+    fn poll(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
+        std::pin::Pin::new(&mut self.get_mut().ticket)
+            .poll(cx)
+            .map(|r| r.map(LentLoaded::new))
+    }
+}
+
+/// A payload landed in lent memory ([`Loaded`], bound to the
+/// [`Engine::lend`] call). Dropping it frees its bytes for other reads.
+pub struct LentLoaded<'scope> {
+    loaded: Loaded,
+    _scope: PhantomData<&'scope mut &'scope ()>,
+}
+
+impl LentLoaded<'_> {
+    fn new(loaded: Loaded) -> Self {
+        LentLoaded {
+            loaded,
+            _scope: PhantomData,
+        }
+    }
+
+    /// The tensor's name.
+    pub fn name(&self) -> &str {
+        self.loaded.name()
+    }
+
+    /// The payload's dtype.
+    pub fn dtype(&self) -> Dtype {
+        self.loaded.dtype()
+    }
+
+    /// The payload's shape.
+    pub fn shape(&self) -> &[usize] {
+        self.loaded.shape()
+    }
+
+    /// The payload's offset in the lent memory.
+    pub fn offset(&self) -> usize {
+        self.loaded.offset()
+    }
+
+    /// [`Loaded::as_slice`].
+    pub fn as_slice<T: Element>(&self) -> Result<&[T]> {
+        self.loaded.as_slice()
+    }
+
+    /// [`Loaded::as_mut_slice`].
+    pub fn as_mut_slice<T: Element>(&mut self) -> Result<&mut [T]> {
+        self.loaded.as_mut_slice()
+    }
+
+    /// The payload's bytes, writable.
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        self.loaded.bytes_mut()
+    }
+}
+
+impl std::ops::Deref for LentLoaded<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.loaded
+    }
+}
+
+impl std::fmt::Debug for LentLoaded<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.loaded.fmt(f)
     }
 }

@@ -34,7 +34,7 @@ mod submit;
 mod sync;
 mod ticket;
 
-pub use lend::Scratch;
+pub use lend::{Lent, LentLoaded, LentTicket, Scratch};
 use queue::{Control, Io};
 use registry::Registry;
 use router::Router;
@@ -154,6 +154,8 @@ pub struct Engine {
     localities: Vec<Locality>,
     /// Where the engine was made (fork detection).
     origin: Origin,
+    /// Staging for reads into caller memory out of phase.
+    staging: lend::Staging,
 }
 
 impl std::fmt::Debug for Engine {
@@ -317,6 +319,14 @@ impl Engine {
         s.backend = self.backend_name();
         s.backend_reason = self.backend_reason.clone();
         s.fixed_files = Some(self.fixed_files.clone());
+        let sc = &self.staging.counters;
+        let ld = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+        s.staged = crate::stats::StagedStats {
+            reads: ld(&sc.reads),
+            bytes: ld(&sc.bytes),
+            copy_cpu_ns: ld(&sc.copy_ns),
+            staging_bytes: ld(&sc.mapped),
+        };
         if self.origin.forked() {
             // A child: the registry, the lanes' queues and the drives' loads
             // are behind locks a parent thread may have held at fork (and

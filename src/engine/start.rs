@@ -74,6 +74,7 @@ impl Engine {
             provider,
             localities,
             origin: Origin::here(),
+            staging: Default::default(),
         })
     }
 }

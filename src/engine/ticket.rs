@@ -7,6 +7,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use crate::engine::inflight::{Outcome, Request};
+use crate::engine::lend::Staged;
 use crate::engine::sync::Arc as ReqArc;
 use crate::error::{Error, Result};
 use crate::fork::Origin;
@@ -83,6 +84,8 @@ pub struct Ticket {
     len: usize,
     origin: Origin,
     meta: Meta,
+    /// A read staged for caller memory: where the payload is copied to.
+    staged: Option<Box<Staged>>,
 }
 
 impl std::fmt::Debug for Ticket {
@@ -102,7 +105,20 @@ impl Ticket {
             len,
             origin,
             meta,
+            staged: None,
         }
+    }
+
+    /// This read lands in staging; resolving it copies the payload to
+    /// `staged`'s destination and hands that back instead.
+    pub(crate) fn staged(mut self, staged: Staged) -> Self {
+        self.staged = Some(Box::new(staged));
+        self
+    }
+
+    /// The request, for a scope that must see it complete.
+    pub(crate) fn request(&self) -> ReqArc<Request<Slot>> {
+        ReqArc::clone(&self.req)
     }
 
     /// The name of the tensor being read.
@@ -110,9 +126,15 @@ impl Ticket {
         &self.meta.tensor().name
     }
 
-    fn resolve(&self, o: Outcome<Slot>) -> Result<Loaded> {
+    fn resolve(&mut self, o: Outcome<Slot>) -> Result<Loaded> {
         match o {
-            Outcome::Ready(slot) => Ok(Loaded::new(slot, self.pad, self.len, self.meta.clone())),
+            Outcome::Ready(slot) => Ok(match self.staged.take() {
+                None => Loaded::new(slot, self.pad, self.len, self.meta.clone()),
+                Some(st) => {
+                    let (dest, pad) = st.finish(slot, self.pad, self.len);
+                    Loaded::new(dest, pad, self.len, self.meta.clone())
+                }
+            }),
             Outcome::Failed(e) => Err(e),
             Outcome::Spent => Err(Error::Config("ticket polled after it completed".into())),
         }
@@ -121,7 +143,7 @@ impl Ticket {
     /// Blocks until the payload has landed. In a forked child (where the
     /// engine's I/O threads do not exist) it returns [`Error::Forked`] at
     /// once instead of waiting forever.
-    pub fn wait(self) -> Result<Loaded> {
+    pub fn wait(mut self) -> Result<Loaded> {
         self.origin.check()?;
         let o = self.req.wait();
         self.resolve(o)
@@ -130,7 +152,7 @@ impl Ticket {
     /// [`Ticket::wait`] for at most `timeout`: the payload (or the read's
     /// error), or the ticket back when the read is still in flight then.
     /// In a forked child it returns [`Error::Forked`] at once.
-    pub fn wait_timeout(self, timeout: std::time::Duration) -> std::result::Result<Result<Loaded>, Ticket> {
+    pub fn wait_timeout(mut self, timeout: std::time::Duration) -> std::result::Result<Result<Loaded>, Ticket> {
         if let Err(e) = self.origin.check() {
             return Ok(Err(e));
         }
@@ -146,7 +168,7 @@ impl Ticket {
     }
 
     /// The payload if it has landed, else the ticket back.
-    pub fn try_wait(self) -> std::result::Result<Result<Loaded>, Ticket> {
+    pub fn try_wait(mut self) -> std::result::Result<Result<Loaded>, Ticket> {
         if let Err(e) = self.origin.check() {
             return Ok(Err(e));
         }
@@ -163,8 +185,9 @@ impl Future for Ticket {
         if let Err(e) = self.origin.check() {
             return Poll::Ready(Err(e));
         }
-        match self.req.poll(cx.waker()) {
-            Poll::Ready(o) => Poll::Ready(self.resolve(o)),
+        let this = self.get_mut();
+        match this.req.poll(cx.waker()) {
+            Poll::Ready(o) => Poll::Ready(this.resolve(o)),
             Poll::Pending => Poll::Pending,
         }
     }
@@ -238,9 +261,15 @@ impl Loaded {
     }
 
     /// Offset of the payload from the slot base (`file offset % align`;
-    /// 0 for a payload placed by `Engine::read_into`).
+    /// 0 for a payload copied into place by `Engine::read_into`).
     pub fn pad(&self) -> usize {
         self.pad
+    }
+
+    /// Offset of the payload from the start of its arena (for memory lent
+    /// with `Engine::register_memory` or `Engine::lend`: from its start).
+    pub fn offset(&self) -> usize {
+        self.slot.offset() + self.pad
     }
 
     /// The payload's bytes (also `&*loaded`).

@@ -555,6 +555,28 @@ impl Arena {
         Some(self.slot_at(offset, len, spec, exact))
     }
 
+    /// A slot of a packed arena holding a payload at phase `pad` (its file
+    /// offset % `spec.align`) read in place: the lowest free run of
+    /// `want` bytes whose first byte is on a `spec.align`-aligned address
+    /// (the window's block), wherever the memory starts. `None` when no
+    /// free run holds it (or for a fixed arena, or in a forked child).
+    pub(crate) fn take_window(&self, want: usize, spec: SlotSpec) -> Option<Slot> {
+        if self.map.in_child() {
+            return None;
+        }
+        let Carve::Packed { extents, .. } = &self.map.carve else {
+            return None;
+        };
+        let base = self.map.region.ptr.as_ptr() as usize;
+        let (offset, len) = lock(extents).take_aligned(want, spec.align, base)?;
+        Some(self.slot_at(offset, len, spec, false))
+    }
+
+    /// Whether this arena carves slots of any size (packed or lent memory).
+    pub(crate) fn is_packed(&self) -> bool {
+        matches!(self.map.carve, Carve::Packed { .. })
+    }
+
     /// The slot handle for `[offset, offset + len)` of this arena's
     /// mapping, which the caller has just taken from the free list or the
     /// extents (so nothing else holds it).

@@ -81,6 +81,31 @@ impl Extents {
         Some((at, n))
     }
 
+    /// The lowest free `[at, at + want)` whose address `base + at` is a
+    /// multiple of `align` (a power of two): a window that must start on
+    /// an aligned address of memory that may itself start anywhere (a
+    /// caller's). Like [`Extents::take`] it stays inside one piece when it
+    /// fits in one. Nothing is rounded to the unit.
+    pub(crate) fn take_aligned(&mut self, want: usize, align: usize, base: usize) -> Option<(usize, usize)> {
+        debug_assert!(align.is_power_of_two());
+        let n = want.max(1);
+        let found = self.free.iter().find_map(|(&start, &len)| {
+            let end = start + len;
+            let aligned = |x: usize| -> Option<usize> {
+                let addr = base.checked_add(x)?;
+                let up = addr.checked_add(align - 1)? & !(align - 1);
+                Some(x + (up - addr))
+            };
+            let mut at = aligned(start)?;
+            if n <= self.piece && at / self.piece != (at + n - 1) / self.piece {
+                at = aligned((at / self.piece + 1) * self.piece)?;
+            }
+            (at.checked_add(n)? <= end).then_some(at)
+        })?;
+        self.claim(found, n);
+        Some((found, n))
+    }
+
     /// Marks `[at, at + n)`, inside one free extent, used.
     fn claim(&mut self, at: usize, n: usize) {
         let (&start, &len) = self.free.range(..=at).next_back().expect("inside a free extent");
@@ -153,6 +178,28 @@ mod tests {
         assert_eq!(e.free_bytes(), 16 * U);
         assert_eq!(e.free.len(), 1, "every free extent merged back: {:?}", e.free);
         assert_eq!(e.used_count(), 0);
+    }
+
+    #[test]
+    fn aligned_windows_start_on_aligned_addresses_of_any_base() {
+        // Memory at address 16 (a Vec's allocation): the first aligned
+        // address is offset 4080.
+        let mut e = Extents::new(8 * U + 100, U, 1 << 30);
+        assert_eq!(e.take_aligned(5000, U, 16), Some((U - 16, 5000)));
+        // Next: the first aligned address after that window's end.
+        let (at, n) = e.take_aligned(10, U, 16).unwrap();
+        assert_eq!(((16 + at) % U, n), (0, 10));
+        assert!(at >= U - 16 + 5000);
+        // Too big for what is left: None, nothing claimed.
+        let free = e.free_bytes();
+        assert_eq!(e.take_aligned(7 * U, U, 16), None);
+        assert_eq!(e.free_bytes(), free);
+        // Head room below the first window is still free for exact slots.
+        assert_eq!(e.take_at(0, U - 16), Some((0, U - 16)));
+        // A window never crosses a piece when it fits in one.
+        let mut e = Extents::new(8 * U, U, 4 * U);
+        assert_eq!(e.take_aligned(3 * U, U, 0), Some((0, 3 * U)));
+        assert_eq!(e.take_aligned(2 * U, U, 0), Some((4 * U, 2 * U)));
     }
 
     #[test]

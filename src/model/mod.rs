@@ -231,6 +231,7 @@ impl Model {
             fixed_files: None,
             registered_buffers: None,
             drives,
+            staged: Default::default(),
         }
     }
 }

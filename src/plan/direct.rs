@@ -160,13 +160,21 @@ impl DirectPlan {
             return p;
         }
         if slot.exact() {
-            count_on_primary(
-                FallbackCause::Placed,
-                &format!(
-                    "payload of {} bytes placed by the caller with no room for an O_DIRECT window",
-                    w.len
+            // Caller memory read straight into place: only when no copy
+            // can go direct (the refusal is the cause), else the caller's
+            // choice of place (Engine::read_into stages those instead).
+            match direct_refusal(primary, &w, slot) {
+                Some((FallbackCause::DirectOpenRefused, why)) => {
+                    count_on_primary(FallbackCause::DirectOpenRefused, &why)
+                }
+                _ => count_on_primary(
+                    FallbackCause::Placed,
+                    &format!(
+                        "payload of {} bytes placed by the caller with no room for an O_DIRECT window",
+                        w.len
+                    ),
                 ),
-            );
+            }
             return p;
         }
         if w.direct == 0 {

@@ -5,4 +5,5 @@
 
 pub(crate) mod chunk;
 pub(crate) mod direct;
+pub(crate) mod placement;
 pub(crate) mod window;
