@@ -1,43 +1,15 @@
-//! Reading into memory the caller owns (pinned host memory for a GPU, a
-//! ggml buffer, a Vec): lend it to the engine with the `unsafe`
-//! `register_memory` (its `# Safety` contract: the memory outlives every
-//! read and is not touched while one is in flight), then `read_into` lands
-//! each payload at the offset the caller chooses, writing nothing around
-//! it with `Scratch::None`.
+//! Reading into memory the caller owns (a `Vec`, a ggml buffer, pinned
+//! host memory for a GPU): lend it to the engine for a scope with the safe
+//! `Engine::lend`, let the placement helper lay the payloads out so every
+//! read is in place and O_DIRECT, and, where the caller must fix an
+//! address itself (a tensor's storage at a page boundary), still read
+//! O_DIRECT: through the engine's staging and one copy. Fails if any read
+//! went buffered.
 //!
 //! cargo run --release --example caller_memory
 
-use std::ptr::NonNull;
-
-use weightstream::{Engine, EngineConfig, Model, ModelConfig, Scratch};
+use weightstream::{Engine, EngineConfig, Model, ModelConfig, Scratch, TensorRef};
 use weightstream_synth::{self as synth, SynthSpec};
-
-/// The caller's buffer: page-aligned (so reads go O_DIRECT into it).
-struct Buffer {
-    ptr: NonNull<u8>,
-    layout: std::alloc::Layout,
-}
-
-impl Buffer {
-    fn new(len: usize) -> Self {
-        let layout = std::alloc::Layout::from_size_align(len, 4096).expect("layout");
-        // SAFETY: a valid layout of non-zero size; zeroed memory.
-        let ptr = NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) }).expect("allocation");
-        Buffer { ptr, layout }
-    }
-    fn bytes(&self) -> &[u8] {
-        // SAFETY: the allocation is live for `self`'s lifetime; read only
-        // after every read into it has completed and its arena is dropped.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.layout.size()) }
-    }
-}
-
-impl Drop for Buffer {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this layout.
-        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
-    }
-}
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let tmp = tempfile::tempdir()?;
@@ -49,50 +21,64 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         seed: 9,
         ..SynthSpec::default()
     };
+    // Written by the reference writer: no payload starts on a block.
     synth::write_model(tmp.path(), &spec)?;
     let model = Model::open(ModelConfig::new(tmp.path()))?;
     let engine = Engine::new(&model, EngineConfig::from_env()?)?;
-
-    // The engine's layout of the weights: back to back, each 64-aligned.
-    let experts: Vec<_> = model
+    let experts: Vec<&TensorRef> = model
         .catalog()
         .tensors()
         .iter()
         .filter(|t| t.name.contains(".experts."))
         .collect();
-    let mut at = Vec::new();
-    let mut end = 0usize;
-    for t in &experts {
-        at.push(end);
-        end = (end + t.len as usize).next_multiple_of(64);
-    }
-    let buffer = Buffer::new(end.next_multiple_of(4096));
-    {
-        // SAFETY: `buffer` outlives `memory` and every ticket and `Loaded`
-        // from it (all dropped at the end of this block); nothing reads or
-        // writes the buffer until then; it is lent to no other arena.
-        let memory = unsafe { engine.register_memory(buffer.ptr, buffer.layout.size())? };
-        let tickets: Vec<_> = experts
+
+    // 1. Placed by the helper: in place, O_DIRECT, no copy.
+    let mut weights = vec![0u8; engine.placement_bytes(&experts)?];
+    let placed = engine.lend(&mut weights, |mem| -> weightstream::Result<_> {
+        let p = mem.placement(&experts)?;
+        let tickets = experts
             .iter()
-            .zip(&at)
-            .map(|(t, &o)| engine.read_into(t, &memory, o, Scratch::None))
-            .collect::<Result<_, _>>()?;
+            .zip(p.offsets())
+            .map(|(t, &at)| mem.read_into(t, at, Scratch::Blocks))
+            .collect::<weightstream::Result<Vec<_>>>()?;
         for ticket in tickets {
             ticket.wait()?;
         }
+        Ok(p)
+    })??;
+    // `lend` returned: the Vec is ours again, every payload in it.
+    for (t, &at) in experts.iter().zip(placed.offsets()) {
+        assert!(synth::verify(spec.seed, &t.name, &weights[at..at + t.len as usize]));
     }
-    for (t, &o) in experts.iter().zip(&at) {
-        assert!(synth::verify(
-            spec.seed,
-            &t.name,
-            &buffer.bytes()[o..o + t.len as usize]
-        ));
-    }
-    let placed = engine.stats().fallbacks_total();
+    let in_place = engine.stats();
+
+    // 2. Addresses the caller fixes (page-aligned, out of phase with the
+    // file): O_DIRECT into staging, then one copy of exactly the payload.
+    let slot = |t: &TensorRef| (t.len as usize).next_multiple_of(4096);
+    let mut storage = vec![0u8; experts.iter().map(|t| slot(t)).sum::<usize>() + 4096];
+    engine.lend(&mut storage, |mem| -> weightstream::Result<()> {
+        let mut at = mem.addr().next_multiple_of(4096) - mem.addr();
+        for t in &experts {
+            let l = mem.read_into(t, at, Scratch::None)?.wait()?;
+            assert!(synth::verify(spec.seed, &t.name, &l));
+            at += slot(t);
+        }
+        Ok(())
+    })??;
+
+    let st = engine.stats();
     println!(
-        "{} experts read into the caller's {} bytes at the caller's offsets, every byte verified ({placed} reads placed buffered: offsets not on the file's block phase)",
+        "{} experts placed by the helper: {} reads direct in place, {} staged; at fixed addresses: {} staged (O_DIRECT + one copy, {:.3} CPU s per GB); {} reads buffered, {} fallbacks",
         experts.len(),
-        buffer.layout.size()
+        in_place.reads_direct(),
+        in_place.staged.reads,
+        st.staged.reads - in_place.staged.reads,
+        st.staged.copy_cpu_s_per_gb().unwrap_or(0.0),
+        st.reads_buffered(),
+        st.fallbacks_total(),
     );
+    if st.reads_buffered() + st.fallbacks_total() > 0 || in_place.staged.reads > 0 {
+        return Err(format!("reads fell back: {st:?}").into());
+    }
     Ok(())
 }

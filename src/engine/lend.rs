@@ -171,13 +171,23 @@ impl Engine {
     /// phase. Errors when they do not fit in `memory` (the message gives
     /// the bytes they need).
     pub fn placement(&self, tensors: &[&TensorRef], memory: &Arena) -> Result<Placement> {
+        self.placement_from(tensors, memory, 0)
+    }
+
+    /// [`Engine::placement`] from byte `from` of `memory` on (offsets are
+    /// still from its start): one half of a double buffer, say.
+    pub fn placement_from(&self, tensors: &[&TensorRef], memory: &Arena, from: usize) -> Result<Placement> {
         let (base, bytes) = memory.region();
-        let p = Placement::of_tensors(tensors, base as usize, self.direct_align())?;
+        let start = (base as usize)
+            .checked_add(from)
+            .filter(|_| from <= bytes)
+            .ok_or_else(|| Error::Config(format!("placement: byte {from} is outside the {bytes}-byte memory")))?;
+        let p = Placement::of_tensors(tensors, start, self.direct_align())?.shifted(from)?;
         if p.bytes() > bytes {
             return Err(Error::Config(format!(
-                "placement: {} tensors need {} bytes of this memory (from its first {}-aligned address), it has {bytes}",
+                "placement: {} tensors need {} bytes of this memory (from byte {from}, its first {}-aligned address on), it has {bytes}",
                 tensors.len(),
-                p.bytes(),
+                p.bytes() - from,
                 self.direct_align()
             )));
         }
@@ -447,6 +457,37 @@ impl Drop for SettleOnExit<'_, '_, '_> {
 }
 
 /// Memory lent to an engine for the length of an [`Engine::lend`] call.
+///
+/// Nothing read into it can outlive the call, and the memory cannot be
+/// touched while it is lent (each of these is a compile error):
+///
+/// ```compile_fail
+/// # use weightstream::{Engine, Scratch, TensorRef};
+/// # fn f(engine: &Engine, t: &TensorRef) {
+/// let mut buf = vec![0u8; 1 << 20];
+/// // A payload returned out of the scope.
+/// let kept = engine.lend(&mut buf, |mem| mem.read_into(t, 0, Scratch::None).unwrap().wait().unwrap());
+/// # }
+/// ```
+///
+/// ```compile_fail,E0521
+/// # use weightstream::{Engine, Scratch, TensorRef};
+/// # fn f(engine: &Engine, t: &TensorRef) {
+/// let mut buf = vec![0u8; 1 << 20];
+/// let mut kept = Vec::new();
+/// // A ticket stored outside the scope.
+/// engine.lend(&mut buf, |mem| kept.push(mem.read_into(t, 0, Scratch::None).unwrap())).unwrap();
+/// # }
+/// ```
+///
+/// ```compile_fail,E0499
+/// # use weightstream::{Engine, Scratch, TensorRef};
+/// # fn f(engine: &Engine, t: &TensorRef) {
+/// let mut buf = vec![0u8; 1 << 20];
+/// // The memory written while a read into it may be in flight.
+/// engine.lend(&mut buf, |mem| { let _k = mem.read_into(t, 0, Scratch::None); buf[0] = 1; }).unwrap();
+/// # }
+/// ```
 pub struct Lent<'scope, 'mem> {
     engine: &'scope Engine,
     arena: Arena,
@@ -482,6 +523,17 @@ impl<'scope> Lent<'scope, '_> {
     /// [`Engine::placement`] in this memory.
     pub fn placement(&self, tensors: &[&TensorRef]) -> Result<Placement> {
         self.engine.placement(tensors, &self.arena)
+    }
+
+    /// [`Engine::placement_from`] in this memory.
+    pub fn placement_from(&self, tensors: &[&TensorRef], from: usize) -> Result<Placement> {
+        self.engine.placement_from(tensors, &self.arena, from)
+    }
+
+    /// The address of the memory's first byte (for alignment arithmetic:
+    /// an engine that fixes its own tensor addresses).
+    pub fn addr(&self) -> usize {
+        self.arena.region().0 as usize
     }
 
     /// [`Engine::read_into`] this memory at byte `at`.

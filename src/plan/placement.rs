@@ -79,6 +79,16 @@ impl Placement {
         Ok(p.bytes)
     }
 
+    /// The same placement in memory that starts `by` bytes earlier.
+    pub(crate) fn shifted(mut self, by: usize) -> Result<Self> {
+        let overflow = || Error::Config("placement: offsets do not fit usize".into());
+        for o in &mut self.offsets {
+            *o = o.checked_add(by).ok_or_else(overflow)?;
+        }
+        self.bytes = self.bytes.checked_add(by).ok_or_else(overflow)?;
+        Ok(self)
+    }
+
     /// Offset of each payload from the start of the memory, in order.
     pub fn offsets(&self) -> &[usize] {
         &self.offsets
