@@ -3,14 +3,13 @@
 //! layer, double-buffered (step k+1's reads are in flight while step k is
 //! computed on). The arms:
 //!
-//! - `arena`:   the crate's packed arena (`take_for`), the baseline;
+//! - `arena`: the crate's packed arena (`take_for`), the baseline;
 //! - `aligned`: a page-aligned buffer of the caller's (`register_memory`),
-//!              laid out by `Engine::placement`;
-//! - `vec`:     a plain `Vec<u8>` lent for the loop (`Engine::lend`),
-//!              laid out by the placement helper;
-//! - `fixed`:   the caller fixes every address (page-aligned tensor
-//!              storage, out of phase with the file): O_DIRECT through
-//!              staging plus one copy.
+//!   laid out by `Engine::placement`;
+//! - `vec`: a plain `Vec<u8>` lent for the loop (`Engine::lend`), laid out
+//!   by the placement helper;
+//! - `fixed`: the caller fixes every address (page-aligned tensor storage,
+//!   out of phase with the file): O_DIRECT through staging plus one copy.
 //!
 //! Every payload is checked against the writer's bytes (synthetic model).
 //! The run fails if any read of any arm went buffered or fell back, or if

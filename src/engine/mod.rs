@@ -29,6 +29,7 @@ mod probe;
 mod queue;
 mod registry;
 mod router;
+mod staging;
 mod start;
 mod submit;
 mod sync;
@@ -155,7 +156,7 @@ pub struct Engine {
     /// Where the engine was made (fork detection).
     origin: Origin,
     /// Staging for reads into caller memory out of phase.
-    staging: lend::Staging,
+    staging: staging::Staging,
 }
 
 impl std::fmt::Debug for Engine {

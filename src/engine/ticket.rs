@@ -7,7 +7,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use crate::engine::inflight::{Outcome, Request};
-use crate::engine::lend::Staged;
+use crate::engine::staging::Staged;
 use crate::engine::sync::Arc as ReqArc;
 use crate::error::{Error, Result};
 use crate::fork::Origin;
