@@ -15,8 +15,10 @@
 //!   A slot no larger than a registered piece never crosses a piece
 //!   boundary (it moves to the next piece).
 //! - **Placed** otherwise (and for an empty payload): the payload lands at
-//!   the next multiple of `a`, with nothing around it; it is read buffered
-//!   into place (the engine counts it as the `placed` fallback).
+//!   the next multiple of `a`, with nothing around it; its blocks are
+//!   read O_DIRECT into the engine's staging and the payload copied into
+//!   place (counted in `Stats::staged`; buffered into place only where no
+//!   copy of the file opens O_DIRECT).
 
 /// One tensor to place: its absolute file offset, its payload length, and
 /// the alignment its payload needs (a power of two, at most `block`).

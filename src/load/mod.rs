@@ -122,7 +122,8 @@ impl LoadOptions {
     /// Every payload's address a multiple of `align` too (a power of two,
     /// at most [`MAX_LOAD_ALIGN`]); the dtype's element size still applies
     /// when larger. A payload whose file offset is not a multiple of it
-    /// is read buffered into an aligned place (the `placed` fallback).
+    /// is read O_DIRECT through staging and copied into an aligned place
+    /// (counted in `Stats::staged`).
     pub fn align(mut self, align: usize) -> Self {
         self.align = align;
         self

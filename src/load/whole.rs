@@ -31,8 +31,9 @@ pub struct LoadReport {
     pub mapped_bytes: usize,
     /// Payloads read in place (their O_DIRECT window starts on a block).
     pub in_place: usize,
-    /// Payloads whose file offset is not aligned as asked: read buffered
-    /// into an aligned place (counted as the `placed` fallback).
+    /// Payloads whose file offset is not aligned as asked: read O_DIRECT
+    /// through staging and copied into an aligned place (counted in
+    /// `Stats::staged`).
     pub placed: usize,
     /// The whole `load_all`, layout and mapping included.
     pub seconds: f64,
@@ -88,7 +89,7 @@ impl LoadReport {
 /// assert_eq!(all.len(), 2);
 /// assert_eq!(all.get("a").unwrap().bytes(), &[1, 2, 3]);
 /// // "b" starts 3 bytes after "a" in the file; whatever its file offset,
-/// // its payload is 4-aligned here (in place, or placed by a buffered read).
+/// // its payload is 4-aligned here (in place, or copied into place from staging).
 /// let b = all.get("b").unwrap();
 /// assert_eq!(b.bytes().as_ptr() as usize % 4, 0);
 /// assert_eq!(b.shape(), &[4]);
@@ -234,9 +235,9 @@ impl Engine {
     /// each tensor whose file offset is a multiple of its alignment (its
     /// dtype's element size, or [`LoadOptions::align`] when larger) lands
     /// in place (its O_DIRECT window starts on a page of the mapping, the
-    /// last partial block read O_DIRECT too); any other is read buffered
-    /// straight to an aligned address (counted as the `placed` fallback in
-    /// the stats, and in [`LoadReport::placed`]). The mapping is not
+    /// last partial block read O_DIRECT too); any other is read O_DIRECT
+    /// into the engine's staging and copied to an aligned address (counted
+    /// in `Stats::staged`, and in [`LoadReport::placed`]). The mapping is not
     /// populated or registered up front (unless asked): a helper thread
     /// faults it in ahead of the reads, beside them
     /// ([`LoadOptions::fault_ahead`]).
