@@ -208,7 +208,8 @@ impl Serialize for WarningLocation {
 /// One fallback that costs speed: what, where, how many times, the message
 /// with the fix, and what it costs.
 ///
-/// `Display` is one line: `drive vda: <message> (3 fallbacks; costs: <cost>)`.
+/// `Display` is one line: `drive vda: <message> (3 fallbacks; costs: <cost>)`
+/// (no count for a state said once, such as the backend).
 ///
 /// ```
 /// use weightstream::{Engine, EngineConfig, Model, ModelConfig, WarningKind};
@@ -262,18 +263,16 @@ impl Warning {
 
 impl fmt::Display for Warning {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {} (", self.location, self.message)?;
         let unit = self.kind.unit();
-        // `1 arena`, `2 arenas` (every unit is a plural in -s).
-        let unit = if self.count == 1 {
-            unit.strip_suffix('s').unwrap_or(unit)
-        } else {
-            unit
-        };
-        write!(
-            f,
-            "{}: {} ({} {unit}; costs: {})",
-            self.location, self.message, self.count, self.cost
-        )
+        match self.count {
+            // A state said once (the backend, a ring): no count.
+            1 if unit == "times" => {}
+            // `1 arena`, `2 arenas` (every unit is a plural in -s).
+            1 => write!(f, "1 {}; ", unit.strip_suffix('s').unwrap_or(unit))?,
+            n => write!(f, "{n} {unit}; ")?,
+        }
+        write!(f, "costs: {})", self.cost)
     }
 }
 
@@ -575,6 +574,16 @@ mod tests {
             (other.kind, other.location),
             (WarningKind::BuffersUnregistered, WarningLocation::Engine)
         );
+    }
+
+    #[test]
+    fn a_state_has_no_count() {
+        let line = pread_backend("io_uring unavailable (EPERM)").to_string();
+        assert!(
+            line.starts_with("engine: io_uring unavailable (EPERM); fix what it names"),
+            "{line}"
+        );
+        assert!(line.ends_with("(costs: reads go through a pool of pread threads instead of io_uring: a system call and a thread wake-up per chunk)"), "{line}");
     }
 
     #[test]
