@@ -92,7 +92,7 @@ pub use memory::{dontfork_failures, hugepage_refusals, Arena, Slot, SlotSpec};
 pub use model::{CopyReport, FileVerdict, Model, VerifyReport};
 pub use place::{place, LayoutKind, PlaceConfig, PlaceReport};
 pub use plan::placement::Placement;
-pub use stats::{DriveStats, FallbackCause, Feature, StagedStats, Stats};
+pub use stats::{DriveStats, FallbackCause, Feature, StagedStats, Stats, Warning, WarningKind, WarningLocation};
 pub use storage::files::{Change, Drive, FileIdentity, ShardFile};
 #[cfg(feature = "numa")]
 pub use storage::numa::Hwloc;

@@ -5,8 +5,14 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::OnceLock;
 
 use serde::Serialize;
+
+mod display;
+pub(crate) mod warning;
+
+pub use warning::{Warning, WarningKind, WarningLocation};
 
 /// Why a read (or part of one) went buffered instead of O_DIRECT.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
@@ -93,6 +99,12 @@ pub(crate) struct DriveCounters {
     pub(crate) chunks_abandoned: AtomicU64,
     fallbacks: [AtomicU64; N_CAUSES],
     logged: [AtomicBool; N_CAUSES],
+    /// The first fallback of each cause: its file and detail (for
+    /// [`Warning`]s: the log line reaches only a subscriber).
+    first: [OnceLock<(PathBuf, String)>; N_CAUSES],
+    /// The first failover from a copy on this drive: what failed, and where
+    /// the chunk went.
+    pub(crate) first_failover: OnceLock<String>,
 }
 
 impl DriveCounters {
@@ -101,6 +113,7 @@ impl DriveCounters {
         let i = cause as usize;
         self.fallbacks[i].fetch_add(1, Relaxed);
         if !self.logged[i].swap(true, Relaxed) {
+            let _ = self.first[i].set((file.to_path_buf(), detail.to_string()));
             if cause.is_warning() {
                 tracing::warn!(drive, file = %file.display(), cause = cause.name(), "falling back to buffered reads: {detail} (logged once per drive and cause; counted in stats)");
             } else {
@@ -111,6 +124,11 @@ impl DriveCounters {
 
     pub(crate) fn fallback_count(&self, cause: FallbackCause) -> u64 {
         self.fallbacks[cause as usize].load(Relaxed)
+    }
+
+    /// The file and detail of the first fallback of `cause` here, if any.
+    pub(crate) fn first_fallback(&self, cause: FallbackCause) -> Option<&(PathBuf, String)> {
+        self.first[cause as usize].get()
     }
 
     pub(crate) fn add(counter: &AtomicU64, n: u64) {
@@ -257,6 +275,14 @@ pub struct Stats {
     pub drives: Vec<DriveStats>,
     /// Reads into caller memory staged and copied (engines only).
     pub staged: StagedStats,
+    /// Arena mappings of this process whose `madvise(MADV_HUGEPAGE)` was
+    /// refused (4 KiB pages; see [`hugepage_refusals`](crate::hugepage_refusals)).
+    pub arena_hugepage_refusals: u64,
+    /// Every fallback that costs speed, worst first (empty when nothing fell
+    /// back): what [`Engine::warnings`](crate::Engine::warnings) and
+    /// [`Model::warnings`](crate::Model::warnings) return, and the first
+    /// lines of this snapshot shown with `{}`.
+    pub warnings: Vec<Warning>,
 }
 
 impl Stats {

@@ -9,7 +9,9 @@ mod common;
 
 use std::time::Duration;
 
-use weightstream::{BackendChoice, DirectMode, Engine, EngineConfig, Model, ModelConfig, Scratch, Stats, TensorRef};
+use weightstream::{
+    BackendChoice, DirectMode, Engine, EngineConfig, Model, ModelConfig, Scratch, Stats, TensorRef, WarningKind,
+};
 use weightstream_synth::{self as synth, SynthSpec};
 
 const GUARD: u8 = 0x5A;
@@ -181,6 +183,14 @@ fn fixed_addresses_out_of_phase_go_direct_through_staging() {
             assert!(after.staged.copy_cpu_ns > before.staged.copy_cpu_ns);
             assert!(after.staged.copy_cpu_s_per_gb().is_some());
             assert!(after.staged.staging_bytes >= xs[0].len);
+            // The user sees it without a subscriber: a warning naming the
+            // fix, and a line of the stats' display.
+            let w = e.warnings();
+            let staged: Vec<_> = w.iter().filter(|w| w.kind == WarningKind::Staged).collect();
+            assert_eq!(staged.len(), 1, "{w:?}");
+            assert_eq!(staged[0].count, after.staged.reads);
+            assert!(staged[0].message.contains("Engine::placement"), "{}", staged[0].message);
+            assert!(format!("{after}").contains("staged "), "{after}");
         }
         drop(e); // every read reaped: the dropped one too
         let mut mine = vec![false; buf.len()];

@@ -172,6 +172,15 @@ pub(crate) fn fail_over(mut job: Job, why: String, io: &Io, lane: usize) -> Opti
         }
         DriveCounters::add(&drive.counters.failovers, 1);
         warn_failover_once(file, &drive.device, to, &job);
+        // Kept for the warnings (the log line reaches only a subscriber).
+        drive.counters.first_failover.get_or_init(|| {
+            format!(
+                "{}: {}; read again from {}",
+                escape(&file.path),
+                job.failures.last().map_or("", |f| f.1.as_str()),
+                escape(&to.path)
+            )
+        });
         job.chunk.file = next as u32;
         job.chunk.direct = job.chunk.direct && can_direct(to, &job);
         job.retries = 0;

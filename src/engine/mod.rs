@@ -16,7 +16,7 @@ use crate::format::catalog::TensorRef;
 use crate::memory::{Arena, Slot, SlotSpec};
 use crate::model::Model;
 use crate::plan::chunk;
-use crate::stats::{Feature, Stats};
+use crate::stats::{warning, Feature, Stats};
 use crate::storage::numa::{Locality, Provider};
 
 mod backend;
@@ -34,6 +34,7 @@ mod start;
 mod submit;
 mod sync;
 mod ticket;
+mod warnings;
 
 pub use lend::{Lent, LentLoaded, LentTicket, Scratch};
 use queue::{Control, Io};
@@ -147,6 +148,11 @@ pub struct Engine {
     router: Router,
     backend: Backend,
     backend_reason: Option<String>,
+    /// The pread backend serves because io_uring could not be set up (not
+    /// because the configuration chose it).
+    pread_fallback: bool,
+    /// NUMA placement was asked for (`EngineConfig::numa`).
+    numa_wanted: bool,
     drives: Vec<DriveIo>,
     fixed_files: Feature,
     fixed_buffers_ok: bool,
@@ -315,6 +321,10 @@ impl Engine {
     /// A snapshot of the counters. In a forked child: the model's counters
     /// as they were at the fork, each drive `stopped` (no lock of the
     /// engine is taken: a parent thread may have held it at fork).
+    ///
+    /// `stats().warnings` (also [`Engine::warnings`]) lists every fallback
+    /// that costs speed, worst first; `{}` shows them first, then the
+    /// backend and each drive.
     pub fn stats(&self) -> Stats {
         let mut s = self.model.stats();
         s.backend = self.backend_name();
@@ -340,12 +350,22 @@ impl Engine {
             for d in &mut s.drives {
                 d.stopped = Some(why.clone());
             }
+            let mine = self.engine_warnings(&s, None);
+            s.warnings.extend(mine);
+            warning::sort(&mut s.warnings);
             return s;
         }
-        let unregistered = lock(&self.registry).unregistered.clone();
+        let reg = {
+            let r = lock(&self.registry);
+            warnings::Registration {
+                unregistered: r.unregistered.clone(),
+                refused_arenas: r.refused_arenas,
+                last_refused: r.last_refused,
+            }
+        };
         s.registered_buffers = Some(Feature {
-            enabled: unregistered.is_none(),
-            reason: unregistered,
+            enabled: reg.unregistered.is_none(),
+            reason: reg.unregistered.clone(),
         });
         for (((d, io), load), l) in s
             .drives
@@ -372,6 +392,9 @@ impl Engine {
             d.stopped = self.io.drive_stopped(i);
             d.in_flight = Some(self.io.in_flight(i) as u64);
         }
+        let mine = self.engine_warnings(&s, Some(&reg));
+        s.warnings.extend(mine);
+        warning::sort(&mut s.warnings);
         s
     }
 }

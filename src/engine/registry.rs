@@ -26,6 +26,10 @@ pub(crate) struct Registry {
     pub(crate) holes: Vec<(u32, u32)>,
     next: u32,
     pub(crate) unregistered: Option<String>,
+    /// Arenas refused registration (each warned in `Engine::warnings`).
+    pub(crate) refused_arenas: u64,
+    /// The last refused arena's size, and whether RLIMIT_MEMLOCK refused it.
+    pub(crate) last_refused: Option<(u64, bool)>,
 }
 
 impl Registry {
@@ -35,6 +39,8 @@ impl Registry {
             holes: Vec::new(),
             next: 0,
             unregistered,
+            refused_arenas: 0,
+            last_refused: None,
         }
     }
 
@@ -68,22 +74,30 @@ impl Engine {
     /// arena's release hook runs wherever its last slot is dropped).
     fn register(&self, arena: &Arena) {
         let bytes = arena.bytes();
-        let refuse = |why: String| {
+        let refuse = |why: String, memlock: bool| {
             let mut reg = lock(&self.registry);
             if reg.unregistered.is_none() {
                 tracing::warn!("arena of {bytes} bytes not registered as fixed buffers: {why}; its reads use plain Read (counted as chunks_unregistered)");
             }
             reg.unregistered = Some(why);
+            reg.refused_arenas += 1;
+            reg.last_refused = Some((bytes as u64, memlock));
         };
         let Some(iovecs) = arena.pieces() else {
-            return refuse(format!(
-                "a slot of {} bytes exceeds the {MAX_FIXED_BUFFER_BYTES}-byte fixed-buffer limit",
-                arena.slot_len()
-            ));
+            return refuse(
+                format!(
+                    "a slot of {} bytes exceeds the {MAX_FIXED_BUFFER_BYTES}-byte fixed-buffer limit",
+                    arena.slot_len()
+                ),
+                false,
+            );
         };
         let n = iovecs.len() as u32;
         let Some(first) = lock(&self.registry).alloc(n) else {
-            return refuse(format!("the fixed-buffer table ({MAX_FIXED_BUFFERS} entries) is full"));
+            return refuse(
+                format!("the fixed-buffer table ({MAX_FIXED_BUFFERS} entries) is full"),
+                false,
+            );
         };
         let mut took = Vec::with_capacity(self.io.queues.len());
         for (i, q) in self.io.queues.iter().enumerate() {
@@ -106,21 +120,21 @@ impl Engine {
                 Ok(Err(e)) if e.raw_os_error() == Some(libc::ENOMEM) => {
                     let (soft, _) = memlock_limit();
                     let need_kib = (bytes.div_ceil(1024) * self.io.queues.len()) as u64;
-                    Some(format!(
+                    Some((soft.is_some(), format!(
                         "registering {bytes} bytes failed with ENOMEM: RLIMIT_MEMLOCK is {}; raise it (`ulimit -l {}` or more, in KiB) or run with CAP_IPC_LOCK",
                         soft.map_or("unlimited".to_string(), |s| format!("{s} bytes")),
                         need_kib + soft.unwrap_or(0) / 1024
-                    ))
+                    )))
                 }
-                Ok(Err(e)) => Some(format!("register_buffers_update: {e}")),
+                Ok(Err(e)) => Some((false, format!("register_buffers_update: {e}"))),
             };
-            if let Some(why) = failed {
+            if let Some((memlock, why)) = failed {
                 // Undo the rings that took it, and give the range back.
                 for &j in &took {
                     let _ = self.io.queues[j].push_control(Control::UnregisterBuffers { first, n });
                 }
                 lock(&self.registry).holes.push((first, n));
-                return refuse(why);
+                return refuse(why, memlock);
             }
         }
         lock(&self.registry).arenas.push(ArenaReg {

@@ -65,6 +65,8 @@ impl Engine {
             model: model.clone(),
             io: s.io,
             router: Router::new(config.route.unwrap_or(model.route())),
+            pread_fallback: matches!(s.backend, Backend::Pread) && config.backend != BackendChoice::Pread,
+            numa_wanted: config.numa,
             backend: s.backend,
             backend_reason: s.backend_reason,
             drives: s.drives,

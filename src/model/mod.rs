@@ -17,7 +17,8 @@ use crate::config::{DirectMode, RoutePolicy};
 use crate::error::{Error, Result};
 use crate::format::catalog::{Catalog, TensorRef};
 use crate::memory::SlotSpec;
-use crate::stats::{self, DriveStats, Stats};
+use crate::stats::warning::{self, Warning};
+use crate::stats::{self, DriveStats, FallbackCause, Stats};
 use crate::storage::files::{Drive, ShardFile};
 
 mod open;
@@ -60,6 +61,9 @@ struct ModelInner {
     /// Expert-major group key per tensor (by catalog index), for `hash`.
     keys: Vec<u64>,
     report: Vec<CopyReport>,
+    /// Mirror directories on the same filesystem as the other copies of
+    /// their shards, with the device (warned at open; in the warnings).
+    shared_mirrors: Vec<(std::path::PathBuf, String)>,
 }
 
 impl Model {
@@ -221,7 +225,7 @@ impl Model {
         for d in &mut drives {
             d.share = d.bytes as f64 / total.max(1) as f64;
         }
-        Stats {
+        let mut s = Stats {
             backend: "sync",
             backend_reason: None,
             rank_weights: self.rank_weights().to_vec(),
@@ -232,6 +236,72 @@ impl Model {
             registered_buffers: None,
             drives,
             staged: Default::default(),
+            arena_hugepage_refusals: crate::memory::hugepage_refusals(),
+            warnings: Vec::new(),
+        };
+        s.warnings = self.model_warnings(&s);
+        s
+    }
+
+    /// Every fallback of this model that costs speed, worst first: reads
+    /// that went buffered instead of O_DIRECT (by drive and cause, with the
+    /// first file and detail), chunks that failed over, refused mirror
+    /// copies, mirrors that add no bandwidth, a failed weight probe, and
+    /// this process's arena mappings refused huge pages or fork protection.
+    /// Empty when nothing fell back. An [`Engine`](crate::Engine) adds its
+    /// own ([`Engine::warnings`](crate::Engine::warnings)); each is said
+    /// whether or not a `tracing` subscriber is installed.
+    pub fn warnings(&self) -> Vec<Warning> {
+        self.stats().warnings
+    }
+
+    /// The model's warnings from its snapshot `s` (sorted).
+    fn model_warnings(&self, s: &Stats) -> Vec<Warning> {
+        let mut out = Vec::new();
+        for (d, st) in self.inner.drives.iter().zip(&s.drives) {
+            for cause in FallbackCause::ALL {
+                let n = d.counters.fallback_count(cause);
+                if n > 0 {
+                    out.extend(warning::buffered(&d.device, cause, n, d.counters.first_fallback(cause)));
+                }
+            }
+            if st.failovers > 0 {
+                out.push(warning::failover(
+                    &d.device,
+                    st.failovers,
+                    d.counters.first_failover.get().map(String::as_str),
+                ));
+            }
         }
+        // Refused mirror copies, one warning per mirror directory.
+        let mut refused: Vec<(&std::path::Path, &CopyReport)> = self
+            .inner
+            .report
+            .iter()
+            .filter(|c| !c.accepted)
+            .map(|c| (c.path.parent().unwrap_or(&c.path), c))
+            .collect();
+        refused.sort_by(|a, b| a.0.cmp(b.0));
+        for group in refused.chunk_by(|a, b| a.0 == b.0) {
+            let (dir, first) = group[0];
+            out.push(warning::mirror_refused(
+                dir,
+                group.len() as u64,
+                &first.path,
+                first.reason.as_deref().unwrap_or("refused"),
+            ));
+        }
+        for (dir, device) in &self.inner.shared_mirrors {
+            out.push(warning::mirror_shares_drive(dir, device));
+        }
+        if let Some(note) = &s.weights_note {
+            out.push(warning::weights_probe_failed(note));
+        }
+        out.extend(warning::arena_mappings(
+            s.arena_hugepage_refusals,
+            s.arena_dontfork_failures,
+        ));
+        warning::sort(&mut out);
+        out
     }
 }

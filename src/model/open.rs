@@ -88,7 +88,7 @@ impl Model {
         let mirror_ranks = b.add_mirrors(&mirrors, &shards, &mut copies)?;
         let catalog = Catalog::new(&config.primary, shards)?;
         let keys = group_keys(&catalog);
-        warn_shared_filesystems(&b.files, &copies, &b.drives);
+        let shared_mirrors = warn_shared_filesystems(&b.files, &copies, &b.drives);
         let weights = weighting(&config.weights, mirror_ranks)?;
         Ok(Model {
             inner: Arc::new(ModelInner {
@@ -101,6 +101,7 @@ impl Model {
                 weights,
                 keys,
                 report: b.report,
+                shared_mirrors,
             }),
         })
     }
@@ -289,7 +290,9 @@ fn show_limit(v: u64) -> String {
 
 /// Says, once per mirror directory, when every copy it holds shares a
 /// filesystem with another copy of the same shard: it adds no bandwidth.
-fn warn_shared_filesystems(files: &[ShardFile], copies: &[Vec<usize>], drives: &[Drive]) {
+/// Returns those directories with the device (the model's warnings).
+fn warn_shared_filesystems(files: &[ShardFile], copies: &[Vec<usize>], drives: &[Drive]) -> Vec<(PathBuf, String)> {
+    let mut out = Vec::new();
     let mut ranks: Vec<usize> = files.iter().filter(|f| f.rank > 0).map(|f| f.rank).collect();
     ranks.sort_unstable();
     ranks.dedup();
@@ -306,8 +309,12 @@ fn warn_shared_filesystems(files: &[ShardFile], copies: &[Vec<usize>], drives: &
                 "mirror \"{dir}\" is on the same filesystem ({}) as the other copies of its shards: accepted, but it adds no bandwidth (two copies behind one device read no faster than one)",
                 drives[mine[0].drive].device
             );
+            if let Some(parent) = mine[0].path.parent() {
+                out.push((parent.to_path_buf(), drives[mine[0].drive].device.clone()));
+            }
         }
     }
+    out
 }
 
 /// Accumulates opened copies and the drives they sit on.

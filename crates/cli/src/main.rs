@@ -23,6 +23,7 @@ mod config;
 mod error;
 mod plot;
 mod progress;
+mod warnings;
 
 fn main() -> ExitCode {
     // A command-line tool dies quietly when its reader goes away
@@ -35,6 +36,15 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.verbose);
     run(cli.cmd)
+}
+
+/// Says the run's warnings (every fallback that cost speed, with its fix:
+/// `warning: ...` lines, see `warnings`), then the error, if any.
+fn finish(error: Option<String>) {
+    warnings::print();
+    if let Some(e) = error {
+        eprintln!("{e}");
+    }
 }
 
 /// Logs to stderr: warnings by default, `-v` info, `-vv` debug, or
@@ -67,14 +77,17 @@ fn run(cmd: Cmd) -> ExitCode {
             layout,
             json,
         } => {
-            return match commands::verify::verify(&model_dir, digest, against.as_deref(), &layout, json) {
-                Ok(true) => ExitCode::SUCCESS,
-                Ok(false) => ExitCode::from(1),
+            let r = commands::verify::verify(&model_dir, digest, against.as_deref(), &layout, json);
+            return match r {
+                Ok(same) => {
+                    finish(None);
+                    ExitCode::from(if same { 0 } else { 1 })
+                }
                 Err(e) => {
-                    eprintln!("{}", error_text(&*e));
+                    finish(Some(error_text(&*e)));
                     ExitCode::from(2)
                 }
-            }
+            };
         }
         Cmd::Inspect {
             model_dir,
@@ -183,9 +196,12 @@ fn run(cmd: Cmd) -> ExitCode {
         Cmd::Demo { dir, size, keep } => commands::demo::demo(dir, size, keep),
     };
     match r {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(()) => {
+            finish(None);
+            ExitCode::SUCCESS
+        }
         Err(e) => {
-            eprintln!("{}", error_text(&*e));
+            finish(Some(error_text(&*e)));
             ExitCode::FAILURE
         }
     }

@@ -158,8 +158,18 @@ fn unprivileged_user_with_small_memlock_reads_unregistered_and_says_why() {
         "unregistered reads differ from root's"
     );
     assert_eq!(st["bytes"], root["stats"]["bytes"]);
-    let warned = stderr.lines().filter(|l| l.contains("RLIMIT_MEMLOCK")).count();
-    assert_eq!(warned, 1, "the refusal must be said exactly once:\n{stderr}");
+    // Said once as it happened (the log), and once in the run's summary of
+    // warnings (a `warning:` line at the end, whatever the log level).
+    let (summary, logged): (Vec<&str>, Vec<&str>) = stderr
+        .lines()
+        .filter(|l| l.contains("RLIMIT_MEMLOCK"))
+        .partition(|l| l.starts_with("warning: "));
+    assert_eq!(logged.len(), 1, "the refusal must be logged exactly once:\n{stderr}");
+    assert_eq!(
+        summary.len(),
+        1,
+        "the refusal must be summed up exactly once:\n{stderr}"
+    );
 
     // The advice works: with `ulimit -l` at the figure the reason gives, the
     // same user registers the same arena.
@@ -196,11 +206,18 @@ fn as_nobody(bin: &Path, args: &[&str], limit: u64) -> std::process::Output {
 /// directory, with RLIMIT_MEMLOCK (soft and hard) at `limit` and the
 /// weightstream environment removed.
 fn as_user(cmd: Command, uid: u32, limit: u64) -> std::process::Output {
+    as_user_with(cmd, uid, limit, &[])
+}
+
+/// [`as_user`] with the variables `env` set on top of the hermetic
+/// environment.
+fn as_user_with(cmd: Command, uid: u32, limit: u64, env: &[(&str, &str)]) -> std::process::Output {
     let dir = Path::new(cmd.get_program())
         .parent()
         .expect("the program's directory")
         .to_path_buf();
     let mut cmd = common::hermetic(cmd);
+    cmd.envs(env.iter().copied());
     cmd.uid(uid).gid(uid).current_dir(dir);
     // SAFETY: runs in the forked child before exec, after the uid/gid
     // switch (so lowering the limit needs no privilege); it makes one system
@@ -304,4 +321,171 @@ fn child(dir: &Path) {
         drop(loaded);
         drop(arena);
     }
+}
+
+const WARN_CHILD: &str = "WS_MEMLOCK_WARNINGS_CHILD";
+/// Unused uids for the warnings test's library child and command run (see
+/// [`NOBODY_TURN`]: locked memory is charged per user).
+const WARN_UID: u32 = 65532;
+const WARN_CLI_UID: u32 = 65531;
+
+/// Issue 19: a memlock fallback reaches a user who installed nothing. In a
+/// process with no `tracing` subscriber (this test binary, re-run as an
+/// unprivileged user under a 64 KiB RLIMIT_MEMLOCK), the arena's refused
+/// registration is in `engine.warnings()` (kind `Memlock`, the arena's size,
+/// the limit in force and the `ulimit -l` to set, its cost), and
+/// `format!("{}", engine.stats())` shows it before the per-drive lines.
+/// The command, with its log turned off (`WEIGHTSTREAM_LOG=off`), still
+/// ends its run with one `warning: ...` line on stderr naming `ulimit -l`.
+#[test]
+fn a_memlock_fallback_reaches_a_user_who_installed_no_subscriber() {
+    if let Ok(dir) = std::env::var(WARN_CHILD) {
+        return warnings_child(Path::new(&dir));
+    }
+    if !can_run() {
+        return;
+    }
+    let _turn = nobody_turn();
+    let spec = SynthSpec {
+        layers: 1,
+        experts: 2,
+        expert_bytes: 512 << 10,
+        shards: 1,
+        ..SynthSpec::default()
+    };
+    let (tmp, dir) = shared_model(&spec);
+
+    let exe = copy_exe(&std::env::current_exe().unwrap(), tmp.path());
+    let name = "a_memlock_fallback_reaches_a_user_who_installed_no_subscriber";
+    let mut cmd = Command::new(&exe);
+    cmd.args([name, "--exact", "--include-ignored", "--nocapture", "--test-threads=1"])
+        .env(WARN_CHILD, &dir);
+    let out = as_user(cmd, WARN_UID, LIMIT);
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success(),
+        "child (uid {WARN_UID}, RLIMIT_MEMLOCK {LIMIT}):\n{text}"
+    );
+    assert!(text.contains("1 passed"), "the child did not run the test:\n{text}");
+    eprintln!("the child's report:\n{text}");
+
+    let bin = copy_exe(&common::bin(), tmp.path());
+    let mut cmd = Command::new(&bin);
+    cmd.args(["digest", dir.to_str().unwrap(), "--backend", "uring"]);
+    let out = as_user_with(cmd, WARN_CLI_UID, LIMIT, &[(weightstream::env::LOG, "off")]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "digest as uid {WARN_CLI_UID}:\n{stderr}");
+    let tensors = weightstream::Model::open(weightstream::ModelConfig::new(&dir))
+        .unwrap()
+        .catalog()
+        .tensors()
+        .len();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).lines().count(),
+        tensors,
+        "every tensor's digest:\n{stderr}"
+    );
+    let said: Vec<&str> = stderr.lines().filter(|l| l.contains("ulimit -l")).collect();
+    assert_eq!(
+        said.len(),
+        1,
+        "one line names `ulimit -l`, the log being off:\n{stderr}"
+    );
+    assert!(
+        said[0].starts_with("warning: arena of ") && said[0].contains("RLIMIT_MEMLOCK"),
+        "a `warning:` line naming the arena and the limit: {}",
+        said[0]
+    );
+    assert!(
+        stderr.lines().all(|l| l.starts_with("warning: ")),
+        "with the log off, only the run's warnings are said:\n{stderr}"
+    );
+}
+
+/// The child's half: unprivileged, under the limit, no subscriber.
+fn warnings_child(dir: &Path) {
+    use weightstream::{BackendChoice, Engine, EngineConfig, Model, ModelConfig, WarningKind, WarningLocation};
+    assert_eq!(
+        rustix::process::geteuid().as_raw(),
+        WARN_UID,
+        "the child runs unprivileged"
+    );
+    assert!(
+        !tracing::dispatcher::has_been_set(),
+        "no tracing subscriber in this process: the warnings must not need one"
+    );
+    let model = Model::open(ModelConfig::new(dir)).unwrap();
+    let engine = Engine::new(&model, EngineConfig::default().backend(BackendChoice::Uring)).unwrap();
+    assert_eq!(
+        engine.backend_name(),
+        "uring",
+        "a small ring fits in {LIMIT} bytes: {:?}",
+        engine.stats()
+    );
+    let before = engine.warnings();
+    assert!(
+        before.iter().all(|w| w.kind != WarningKind::Memlock),
+        "no memlock warning before any arena: {before:#?}"
+    );
+    let arena = engine.arena(model.slot_spec_for_largest(""), ARENA_SLOTS).unwrap();
+    let t = &model.catalog().tensors()[0];
+    let loaded = engine.read(t, arena.take().unwrap()).unwrap().wait().unwrap();
+    assert_eq!(loaded.len() as u64, t.len);
+    drop(loaded);
+
+    let warnings = engine.warnings();
+    let memlock: Vec<_> = warnings.iter().filter(|w| w.kind == WarningKind::Memlock).collect();
+    assert_eq!(memlock.len(), 1, "one memlock warning: {warnings:#?}");
+    let w = memlock[0];
+    assert_eq!(
+        w.location,
+        WarningLocation::Arena {
+            bytes: arena.bytes() as u64
+        },
+        "{w}"
+    );
+    assert_eq!(w.count, 1, "one arena refused: {w}");
+    assert!(
+        w.message.contains("RLIMIT_MEMLOCK") && w.message.contains("ulimit -l"),
+        "names the limit and how to raise it: {w}"
+    );
+    assert!(
+        w.message.contains(&format!("{LIMIT} bytes")),
+        "names the limit in force: {w}"
+    );
+    assert!(w.cost.contains("plain reads"), "says what it costs: {w}");
+    assert_eq!(engine.stats().warnings, warnings, "stats() leads with the same list");
+    let chunks: u64 = engine.stats().drives.iter().map(|d| d.chunks_unregistered).sum();
+    assert!(chunks > 0, "the read went unregistered");
+    assert!(
+        w.message.contains(&format!("{chunks} chunk(s) read unregistered")),
+        "{w}"
+    );
+
+    let shown = format!("{}", engine.stats());
+    println!("engine.stats() as a user sees it:\n{shown}");
+    let lines: Vec<&str> = shown.lines().collect();
+    let warned = lines
+        .iter()
+        .position(|l| l.contains("ulimit -l"))
+        .unwrap_or_else(|| panic!("no line names `ulimit -l`:\n{shown}"));
+    let first_drive = lines
+        .iter()
+        .position(|l| l.starts_with("drive "))
+        .unwrap_or_else(|| panic!("no per-drive line:\n{shown}"));
+    assert!(warned < first_drive, "the warning comes before the drives:\n{shown}");
+    assert!(lines[warned].trim_start().starts_with("warning: arena of "), "{shown}");
+    assert_eq!(
+        lines[0],
+        format!("warnings ({}, worst first):", warnings.len()),
+        "{shown}"
+    );
+    assert!(
+        !tracing::dispatcher::has_been_set(),
+        "nothing installed a subscriber on the way"
+    );
 }

@@ -100,13 +100,27 @@ fn auto_falls_back_to_pread_when_io_uring_is_disabled() {
         "pread fallback bytes differ from the sync path"
     );
     assert_eq!(st["bytes"], sync["stats"]["bytes"]);
-    // Said once: one warning line, naming the cause.
-    let warned: Vec<&str> = stderr.lines().filter(|l| l.contains("io_uring")).collect();
-    assert_eq!(warned.len(), 1, "the fallback must be said exactly once:\n{stderr}");
+    // Said once as it happened (a log line), and once in the run's
+    // `warning:` lines at the end; both naming the cause.
+    let (summary, warned): (Vec<&str>, Vec<&str>) = stderr
+        .lines()
+        .filter(|l| l.contains("io_uring"))
+        .partition(|l| l.starts_with("warning: "));
+    assert_eq!(warned.len(), 1, "the fallback must be logged exactly once:\n{stderr}");
     assert!(
         warned[0].contains("io_uring_disabled") && warned[0].contains("pread"),
         "{}",
         warned[0]
+    );
+    assert_eq!(
+        summary.len(),
+        1,
+        "the fallback must be summed up exactly once:\n{stderr}"
+    );
+    assert!(
+        summary[0].starts_with("warning: engine: io_uring unavailable") && summary[0].contains("io_uring_disabled"),
+        "{}",
+        summary[0]
     );
     assert!(!stderr.contains("panicked"), "{stderr}");
 

@@ -390,6 +390,10 @@ pub(crate) fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "a non-string panic payload".into())
 }
 
+/// The first flag of a ring set up plain, the kernel having refused the
+/// flags that suit one submitter (its description starts with it).
+pub(crate) const PLAIN: &str = "plain";
+
 /// Creates the ring with the flags that suit one submitter thread, falling
 /// back to a plain setup on kernels that refuse them.
 fn build(cfg: RingConfig) -> std::io::Result<(IoUring, String)> {
@@ -420,7 +424,7 @@ fn build(cfg: RingConfig) -> std::io::Result<(IoUring, String)> {
                 flags.join("+")
             );
             let mut b = IoUring::builder();
-            let mut flags = vec!["plain"];
+            let mut flags = vec![PLAIN];
             if cfg.sqpoll {
                 b.setup_sqpoll(50);
                 flags.push("sqpoll");

@@ -207,6 +207,24 @@ pub fn bind_thread_described(provider: &dyn TopologyProvider, locality: &Localit
     }
 }
 
+/// Whether `binding` (what [`bind_thread_described`] said) is a binding of a
+/// known locality that failed.
+pub(crate) fn binding_failed(binding: &str) -> bool {
+    binding.starts_with("not bound: binding")
+}
+
+/// NUMA nodes online on this machine (`/sys/devices/system/node/online`;
+/// 1 when unreadable), read once.
+pub(crate) fn online_nodes() -> usize {
+    static NODES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *NODES.get_or_init(|| {
+        std::fs::read_to_string("/sys/devices/system/node/online")
+            .ok()
+            .and_then(|s| parse_list(s.trim()))
+            .map_or(1, |nodes| nodes.len().max(1))
+    })
+}
+
 /// What an I/O thread of one drive binds itself to when it starts.
 #[derive(Debug, Clone)]
 pub(crate) struct ThreadPlacement {
@@ -219,7 +237,7 @@ impl ThreadPlacement {
     /// a known locality is also warned, once per process).
     pub(crate) fn apply(&self) -> String {
         let b = bind_thread_described(&*self.provider, &self.locality);
-        if b.starts_with("not bound: binding") {
+        if binding_failed(&b) {
             static WARNED: std::sync::Once = std::sync::Once::new();
             WARNED.call_once(|| tracing::warn!("I/O thread {b} (reported per drive as thread_binding in the stats)"));
         }

@@ -28,6 +28,7 @@ pub(crate) fn bench_cmd(
     json: bool,
 ) -> CliResult {
     let model = Model::open(layout.config(&dir, None)?)?;
+    let _said = crate::warnings::Watch(|| model.warnings());
     // Checked before any arm runs: a filter that matches nothing, and an
     // order (every pass of every match) too long to hold.
     let matched = model

@@ -40,6 +40,7 @@ pub(crate) fn demo(dir: Option<PathBuf>, size: u64, keep: bool) -> CliResult {
         t0.elapsed().as_secs_f64()
     );
     let model = Model::open(ModelConfig::new(&dir))?;
+    let _said = crate::warnings::Watch(|| model.warnings());
     let experts: Vec<_> = model
         .catalog()
         .tensors()

@@ -18,6 +18,7 @@ pub(crate) fn digest(
     json: bool,
 ) -> CliResult {
     let model = Model::open(layout.config(&dir, Some(direct.into()))?)?;
+    let _said = crate::warnings::Watch(|| model.warnings());
     let cat = model.catalog();
     let mut chosen = Vec::new();
     if names.is_empty() {
@@ -49,6 +50,7 @@ pub(crate) fn digest(
         }
         Some(cfg) => {
             let engine = Engine::new(&model, cfg)?;
+            let _said = crate::warnings::Watch(|| engine.warnings());
             let arena = engine.arena(spec, args.inflight).map_err(|e| {
                 crate::args::alloc_flags(
                     e,

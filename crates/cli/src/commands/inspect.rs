@@ -10,7 +10,9 @@ use crate::commands::CliResult;
 
 pub(crate) fn inspect(dir: PathBuf, layout: &LayoutArgs, numa: Option<OnOff>, json: bool) -> CliResult {
     let model = Model::open(layout.config(&dir, None)?)?;
+    let _said = crate::warnings::Watch(|| model.warnings());
     let engine = placing_engine(&model, numa)?;
+    let _said_engine = crate::warnings::Watch(|| engine.as_ref().map_or_else(Vec::new, Engine::warnings));
     let drive_stats = engine
         .as_ref()
         .map_or_else(|| model.stats().drives, |e| e.stats().drives);

@@ -85,6 +85,7 @@ pub(crate) fn load(dir: &Path, args: &LoadArgs, engine_args: &EngineArgs, layout
     let cpu0 = crate::ceiling::process_cpu_seconds();
     let t0 = Instant::now();
     let model = Model::open(layout.config(dir, None)?)?;
+    let _said = crate::warnings::Watch(|| model.warnings());
     let open_seconds = t0.elapsed().as_secs_f64();
     let mut engine_seconds = 0.0;
     let selected = |name: &str| args.names.is_empty() || args.names.iter().any(|n| name.contains(n.as_str()));
@@ -129,6 +130,7 @@ pub(crate) fn load(dir: &Path, args: &LoadArgs, engine_args: &EngineArgs, layout
             let t = Instant::now();
             engine = Engine::new(&model, cfg)?;
             engine_seconds = t.elapsed().as_secs_f64();
+            let _said = crate::warnings::Watch(|| engine.warnings());
             let mut opts = LoadOptions::new()
                 .align(args.align)
                 .order(args.order)

@@ -40,6 +40,7 @@ pub(crate) fn verify(
         return Ok(false);
     }
     let model = Model::open(layout.config(dir, None)?)?;
+    let _said = crate::warnings::Watch(|| model.warnings());
     let mut report = model.verify(digest)?;
     if let Some(e) = &earlier {
         report.compare_with(e);
