@@ -331,3 +331,70 @@ fn without_o_direct_nothing_is_staged_and_empty_memory_is_refused() {
     let err = e.lend(&mut [], |_| ()).unwrap_err().to_string();
     assert!(err.contains("empty"), "{err}");
 }
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 48, ..Default::default() })]
+
+    /// Against a naive oracle, for any tensor, any address and any scratch:
+    /// the payload's bytes land exactly, nothing is read buffered or falls
+    /// back, and the only bytes written outside the payload are the ones
+    /// its scratch allows at an in-phase address (the pad before with
+    /// `Before`; the pad and the rest of the last block with `Blocks`).
+    #[test]
+    fn any_address_any_scratch_lands_exactly_and_writes_only_what_is_allowed(
+        pick in 0usize..1000,
+        at in 0usize..(64 << 10),
+        in_phase in proptest::bool::ANY,
+        scratch in proptest::sample::select(vec![Scratch::None, Scratch::Before, Scratch::Blocks]),
+    ) {
+        let (tmp, model, s) = &*SHARED;
+        let tensors = model.catalog().tensors();
+        let t = &tensors[pick % tensors.len()];
+        let e = Engine::new(model, EngineConfig::default()).unwrap();
+        let len = t.len as usize;
+        let a = 4096usize;
+        let pad = (t.offset % a as u64) as usize;
+        let mut buf = vec![GUARD; len + (80 << 10)];
+        let base = buf.as_ptr() as usize;
+        // Half the cases in phase (the address's block offset = the file's).
+        let at = if in_phase {
+            let x = (base + at).next_multiple_of(a) - base + pad;
+            if x >= a { x - a } else { x }
+        } else {
+            at
+        };
+        let phase_ok = (base + at) % a == pad && at >= pad;
+        let before = e.stats();
+        e.lend(&mut buf, |mem| {
+            let l = mem.read_into(t, at, scratch).unwrap().wait().unwrap();
+            assert_eq!(l.offset(), at);
+            assert!(synth::verify(s.seed, &t.name, &l), "{}", t.name);
+        })
+        .unwrap();
+        let after = e.stats();
+        if common::fs_reads_o_direct(tmp.path()) {
+            proptest::prop_assert_eq!(after.fallbacks_total(), before.fallbacks_total());
+            proptest::prop_assert_eq!(after.reads_buffered(), before.reads_buffered());
+        }
+        // The oracle: what may be written besides the payload.
+        let blocks_end = ((base + at + len).next_multiple_of(a) - base).min(buf.len());
+        let (lo, hi) = match scratch {
+            Scratch::Blocks if phase_ok => (at - pad, blocks_end),
+            Scratch::Before if phase_ok => (at - pad, at + len),
+            _ => (at, at + len),
+        };
+        let stray = buf
+            .iter()
+            .enumerate()
+            .filter(|&(i, &b)| (i < lo || i >= hi) && b != GUARD)
+            .count();
+        proptest::prop_assert_eq!(stray, 0, "{} at {} with {:?} (in phase: {})", t.name, at, scratch, phase_ok);
+    }
+}
+
+/// One reference-written model for the property test's cases.
+static SHARED: std::sync::LazyLock<(tempfile::TempDir, Model, SynthSpec)> = std::sync::LazyLock::new(|| {
+    let tmp = common::tempdir();
+    let (model, s) = reference_model(tmp.path());
+    (tmp, model, s)
+});
