@@ -191,9 +191,30 @@ pub enum Error {
         /// The slot's capacity.
         capacity: usize,
     },
-    /// No tensor of that name in the model.
-    #[error("no tensor named {0:?} in the model")]
-    NoSuchTensor(String),
+    /// No tensor of that name in the model. `suggestions` are the nearest
+    /// names, best first (at most [`SUGGESTIONS`]): the name with a
+    /// missing or extra `model.` prefix, then names that differ from it in
+    /// one `.`-separated part (a layer or expert number, a projection),
+    /// closest part first; `more` counts the near names not shown.
+    #[error("no tensor named {name:?} in the model{}", near_names(suggestions, *more))]
+    NoSuchTensor {
+        /// The name asked for.
+        name: String,
+        /// The nearest names of the model, best first.
+        suggestions: Vec<String>,
+        /// Near names beyond those in `suggestions`.
+        more: usize,
+    },
+    /// A tensor reference that is not one of this model's: made by another
+    /// [`Model`](crate::Model) (its shard index and range would name other
+    /// bytes here), or a part of a tensor whose range leaves the tensor.
+    #[error("tensor {name:?}: this reference belongs to another model than the one opened from {} (or was edited to leave its tensor's bytes); use a TensorRef only with the Model it came from", escape(model))]
+    ForeignTensor {
+        /// The tensor's name.
+        name: String,
+        /// The primary directory of the model it was used with.
+        model: PathBuf,
+    },
     /// A payload cannot be viewed as the type asked for.
     #[error("tensor {tensor}: cannot view its payload as [{ty}]: {why}")]
     View {
@@ -224,6 +245,28 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+}
+
+/// The most names a [`Error::NoSuchTensor`] suggests.
+pub const SUGGESTIONS: usize = 4;
+
+/// `; did you mean "a" or "b"?` and how many more there are, or nothing.
+fn near_names(suggestions: &[String], more: usize) -> String {
+    let Some((last, first)) = suggestions.split_last() else {
+        return String::new();
+    };
+    let quoted: Vec<String> = first.iter().map(|s| format!("{s:?}")).collect();
+    let list = if quoted.is_empty() {
+        format!("{last:?}")
+    } else {
+        format!("{} or {last:?}", quoted.join(", "))
+    };
+    let more = match more {
+        0 => String::new(),
+        1 => " (1 more name differs from it in one part)".to_string(),
+        n => format!(" ({n} more names differ from it in one part)"),
+    };
+    format!("; did you mean {list}?{more}")
 }
 
 impl Error {

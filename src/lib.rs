@@ -41,7 +41,7 @@
 //! let model = Model::open(ModelConfig::new(&dir))?;
 //! let engine = Engine::new(&model, EngineConfig::default())?;
 //! let tensor = model.tensor("w")?;
-//! let arena = engine.arena(model.slot_spec_for_largest(""), 4)?;
+//! let arena = engine.arena(model.slot_spec_for_largest("")?, 4)?;
 //! let loaded = engine.read(tensor, arena.take().unwrap())?.wait()?;
 //! assert_eq!(loaded.len(), 5000);
 //! assert!(loaded.iter().enumerate().all(|(i, &b)| b == (i % 251) as u8));
@@ -77,7 +77,7 @@ mod storage;
 
 pub use config::{env, BackendChoice, DirectMode, EngineConfig, IoPoll, ModelConfig, RoutePolicy, SubmitMode, Weights};
 pub use engine::{DrivePlacement, Engine, Fault, Loaded, Scratch, ShutdownReport, Ticket};
-pub use error::{escape, Error, HeaderError, Result};
+pub use error::{escape, Error, HeaderError, Result, SUGGESTIONS};
 pub use format::catalog::{Catalog, ShardInfo, TensorRef, INDEX_FILE, MAX_INDEX_LEN};
 pub use format::container::{ShardHeader, TensorEntry, MAX_HEADER_LEN};
 pub use format::dtype::Dtype;

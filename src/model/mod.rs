@@ -134,9 +134,16 @@ impl Model {
         &self.inner.report
     }
 
-    /// Looks a tensor up by name.
+    /// Looks a tensor up by name; when absent, an error suggesting the
+    /// nearest names ([`Catalog::tensor`]).
     pub fn tensor(&self, name: &str) -> Result<&TensorRef> {
         self.inner.catalog.tensor(name)
+    }
+
+    /// The tensor named `name`, if there is one: for optional tensors (no
+    /// suggestions computed on a miss; [`Catalog::get`]).
+    pub fn get(&self, name: &str) -> Option<&TensorRef> {
+        self.inner.catalog.get(name)
     }
 
     /// The slot alignment every shard of this model is satisfied by.
@@ -150,9 +157,24 @@ impl Model {
     }
 
     /// A slot spec that holds the largest tensor whose name contains
-    /// `filter` ("" for every tensor), aligned for every shard.
-    pub fn slot_spec_for_largest(&self, filter: &str) -> SlotSpec {
-        SlotSpec::new(self.inner.catalog.largest(filter).unwrap_or(0).max(1) as usize).with_align(self.required_align())
+    /// `filter` ("" for every tensor), aligned for every shard. A filter
+    /// that no tensor name contains is an error naming it (never a slot
+    /// sized for nothing).
+    pub fn slot_spec_for_largest(&self, filter: &str) -> Result<SlotSpec> {
+        let cat = &self.inner.catalog;
+        let largest = cat.largest(filter).ok_or_else(|| {
+            Error::Config(format!(
+                "slot_spec_for_largest({filter:?}): no tensor name contains {filter:?} (the model in {} has {} tensor(s))",
+                crate::error::escape(cat.dir()),
+                cat.tensors().len()
+            ))
+        })?;
+        let len = usize::try_from(largest.max(1)).map_err(|_| {
+            Error::Config(format!(
+                "slot_spec_for_largest({filter:?}): the largest tensor is {largest} bytes, more than this machine can address"
+            ))
+        })?;
+        Ok(SlotSpec::new(len).with_align(self.required_align()))
     }
 
     /// The open shard holding `tensor`, after checking that `tensor` is this
@@ -164,11 +186,10 @@ impl Model {
     pub(crate) fn file_of(&self, tensor: &TensorRef) -> Result<&ShardFile> {
         match self.inner.catalog.tensors().get(tensor.index) {
             Some(own) if tensor.is_part_of(own) => Ok(&self.inner.files[tensor.shard]),
-            _ => Err(Error::NoSuchTensor(format!(
-                "{} (this tensor reference belongs to another model than {})",
-                tensor.name,
-                self.inner.catalog.dir().display()
-            ))),
+            _ => Err(Error::ForeignTensor {
+                name: tensor.name.clone(),
+                model: self.inner.catalog.dir().to_path_buf(),
+            }),
         }
     }
 

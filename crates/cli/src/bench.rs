@@ -573,7 +573,7 @@ fn run_arm(
                     _ => cfg.engine.route,
                 });
             let engine = Engine::new(model, ecfg)?;
-            let spec = model.slot_spec_for_largest(&cfg.filter);
+            let spec = model.slot_spec_for_largest(&cfg.filter)?;
             let arena = engine.arena(spec, cfg.concurrency.max(1))?;
             let before: Vec<u64> = engine.stats().drives.iter().map(|d| d.bytes).collect();
             let mut t = engine_reads(&engine, &arena, order, cfg.timeline_ms, progress)?;
