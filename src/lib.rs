@@ -77,11 +77,12 @@ mod storage;
 
 pub use config::{env, BackendChoice, DirectMode, EngineConfig, IoPoll, ModelConfig, RoutePolicy, SubmitMode, Weights};
 pub use engine::{DrivePlacement, Engine, Fault, Loaded, Scratch, ShutdownReport, Ticket};
-pub use error::{escape, Error, HeaderError, Result, SUGGESTIONS};
+pub use error::{escape, Error, ExpertsError, HeaderError, Result, SUGGESTIONS};
 pub use format::catalog::{Catalog, ShardInfo, TensorRef, INDEX_FILE, MAX_INDEX_LEN};
 pub use format::container::{ShardHeader, TensorEntry, MAX_HEADER_LEN};
 pub use format::dtype::Dtype;
 pub use format::element::Element;
+pub use format::experts::{Expert, ExpertLayer, Experts, Projection, MAX_FUSED_EXPERTS};
 pub use load::{
     LoadOptions, LoadProgress, LoadReport, LoadedModel, Order, TensorStream, TensorView, DEFAULT_LOAD_WINDOW,
     MAX_LOAD_ALIGN,

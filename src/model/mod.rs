@@ -14,8 +14,9 @@
 use std::sync::{Arc, OnceLock};
 
 use crate::config::{DirectMode, RoutePolicy};
-use crate::error::{Error, Result};
+use crate::error::{Error, ExpertsError, Result};
 use crate::format::catalog::{Catalog, TensorRef};
+use crate::format::experts::Experts;
 use crate::memory::SlotSpec;
 use crate::stats::{self, DriveStats, Stats};
 use crate::storage::files::{Drive, ShardFile};
@@ -60,6 +61,8 @@ struct ModelInner {
     /// Expert-major group key per tensor (by catalog index), for `hash`.
     keys: Vec<u64>,
     report: Vec<CopyReport>,
+    /// The expert view, recognised from the names on first use.
+    experts: OnceLock<Experts>,
 }
 
 impl Model {
@@ -175,6 +178,44 @@ impl Model {
             ))
         })?;
         Ok(SlotSpec::new(len).with_align(self.required_align()))
+    }
+
+    /// The model's experts (mixture-of-experts layers), recognised from the
+    /// tensor names once and kept: per layer, per expert, the projections
+    /// and their companions (see [`Experts`] for the conventions). A model
+    /// whose names follow none of them is an error
+    /// ([`ExpertsError::NoneRecognised`](crate::ExpertsError::NoneRecognised)).
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use weightstream::{Dtype, Model, ModelConfig};
+    /// let dir = weightstream::__internal::doc_model("experts", &[
+    ///     ("model.layers.0.mlp.experts.0.up_proj.weight", Dtype::Bf16, 64),
+    ///     ("model.layers.0.mlp.experts.1.up_proj.weight", Dtype::Bf16, 64),
+    ///     ("model.layers.0.mlp.experts.1.up_proj.weight_scale", Dtype::F32, 4),
+    /// ])?;
+    /// let model = Model::open(ModelConfig::new(&dir))?;
+    /// let expert = model.experts()?.layer(0)?.expert(1)?;
+    /// let up = expert.projection("up_proj")?;
+    /// assert_eq!(up.weight().unwrap().name, "model.layers.0.mlp.experts.1.up_proj.weight");
+    /// assert!(up.part("weight_scale").is_some());
+    /// assert_eq!(expert.bytes(), 68);
+    /// assert!(model.experts()?.layer(1).is_err()); // one layer: 0
+    /// # std::fs::remove_dir_all(dir)?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn experts(&self) -> Result<&Experts> {
+        let cat = &self.inner.catalog;
+        let experts = self.inner.experts.get_or_init(|| Experts::from_tensors(cat.tensors()));
+        if experts.is_empty() {
+            return Err(Error::Experts(ExpertsError::NoneRecognised {
+                dir: cat.dir().to_path_buf(),
+                tensors: cat.tensors().len(),
+                example: cat.tensors().first().map(|t| t.name.clone()),
+            }));
+        }
+        Ok(experts)
     }
 
     /// The open shard holding `tensor`, after checking that `tensor` is this

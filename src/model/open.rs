@@ -101,6 +101,7 @@ impl Model {
                 weights,
                 keys,
                 report: b.report,
+                experts: std::sync::OnceLock::new(),
             }),
         })
     }
