@@ -10,7 +10,7 @@
 
 use std::time::Instant;
 
-use weightstream::{Engine, EngineConfig, Model, ModelConfig, TensorRef};
+use weightstream::{Engine, EngineConfig, Expert, ExpertLayer, Model, ModelConfig};
 use weightstream_synth::{self as synth, SynthSpec};
 
 /// Experts the router picks per layer and step.
@@ -38,35 +38,30 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let model = Model::open(ModelConfig::new(&dir))?;
     let engine = Engine::new(&model, EngineConfig::from_env()?)?;
 
-    // Each layer's experts' projections, by (layer, expert).
-    let mut experts: std::collections::BTreeMap<(usize, usize), Vec<&TensorRef>> = Default::default();
-    for t in model.catalog().tensors() {
-        let parts: Vec<&str> = t.name.split('.').collect();
-        if let (Some(l), Some(e)) = (field_after(&parts, "layers"), field_after(&parts, "experts")) {
-            experts.entry((l, e)).or_default().push(t);
-        }
-    }
-    let layers = experts.keys().map(|k| k.0).max().map_or(0, |l| l + 1);
-    let per_layer = experts.keys().filter(|k| k.0 == 0).count();
-    if per_layer == 0 {
-        return Err("no `layers.N ... experts.M` tensors in this model".into());
-    }
+    // Each layer's experts and their projections, recognised from the names.
+    let experts = model.experts()?;
+    let layers: Vec<&ExpertLayer> = experts.layers().collect();
+    let per_layer = layers.iter().map(|l| l.expert_count()).min().unwrap_or(0);
 
     // One registered arena for one step's reads (every size from it).
-    let step_bytes: usize = experts
-        .values()
-        .take(TOP_K)
-        .flatten()
-        .map(|t| (t.len as usize + 2 * 4096).next_multiple_of(4096))
-        .sum::<usize>()
-        * layers;
+    let room = |e: &Expert| -> usize {
+        e.tensors()
+            .map(|t| (t.len as usize + 2 * 4096).next_multiple_of(4096))
+            .sum()
+    };
+    let largest = |l: &ExpertLayer| {
+        let mut sizes: Vec<usize> = l.experts().map(room).collect();
+        sizes.sort_unstable_by(|a, b| b.cmp(a));
+        sizes.iter().take(TOP_K).sum::<usize>() + l.shared().iter().map(room).sum::<usize>()
+    };
+    let step_bytes: usize = layers.iter().map(|l| largest(l)).sum();
     let arena = engine.packed_arena(step_bytes * 2, true)?;
 
     let (mut rng, mut bytes, t0) = (0x9e37_79b9_7f4a_7c15u64, 0u64, Instant::now());
     for step in 0..steps {
         // The router's choice: TOP_K distinct experts per layer.
         let mut reads = Vec::new();
-        for l in 0..layers {
+        for layer in &layers {
             let mut chosen = Vec::new();
             while chosen.len() < TOP_K.min(per_layer) {
                 rng ^= rng << 13;
@@ -77,10 +72,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     chosen.push(e);
                 }
             }
-            for e in chosen {
-                for t in &experts[&(l, e)] {
+            // The chosen experts, and the shared ones (always active).
+            let active = chosen
+                .into_iter()
+                .map(|e| layer.expert(e))
+                .chain(layer.shared().iter().map(Ok));
+            for expert in active {
+                for t in expert?.tensors() {
                     let slot = arena.take_for(t).ok_or("the arena holds one step")?;
-                    reads.push((*t, slot));
+                    reads.push((t, slot));
                 }
             }
         }
@@ -95,7 +95,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             // `loaded` drops here: its slot goes back for the next step.
         }
         if step == 0 {
-            println!("step 0: {} experts per layer of {per_layer}, {layers} layers", TOP_K);
+            println!(
+                "step 0: {} experts per layer of {per_layer}, {} layers",
+                TOP_K,
+                layers.len()
+            );
         }
     }
     let secs = t0.elapsed().as_secs_f64();
@@ -107,12 +111,4 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         if spec.is_some() { ", every byte verified" } else { "" }
     );
     Ok(())
-}
-
-/// The number after `key` in a dotted name (`model.layers.3.` -> 3).
-fn field_after(parts: &[&str], key: &str) -> Option<usize> {
-    parts
-        .iter()
-        .position(|p| *p == key)
-        .and_then(|i| parts.get(i + 1)?.parse().ok())
 }

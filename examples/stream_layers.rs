@@ -77,7 +77,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // N + 1 whole layers in flight.
     let ahead = layer_placement::readahead_default(roots.len());
     let per_layer = by_layer.values().map(Vec::len).max().unwrap_or(1);
-    let arena = engine.arena(model.slot_spec_for_largest(""), ahead * per_layer)?;
+    let arena = engine.arena(model.slot_spec_for_largest("")?, ahead * per_layer)?;
     let order: Vec<_> = by_layer.values().flatten().collect();
     let mut pending = VecDeque::new();
     let (mut bytes, mut bad) = (0u64, 0usize);

@@ -191,9 +191,34 @@ pub enum Error {
         /// The slot's capacity.
         capacity: usize,
     },
-    /// No tensor of that name in the model.
-    #[error("no tensor named {0:?} in the model")]
-    NoSuchTensor(String),
+    /// No tensor of that name in the model. `suggestions` are the nearest
+    /// names, best first (at most [`SUGGESTIONS`]): the name with a
+    /// missing or extra `model.` prefix, then names that differ from it in
+    /// one `.`-separated part (a layer or expert number, a projection),
+    /// closest part first; `more` counts the near names not shown.
+    #[error("no tensor named {name:?} in the model{}", near_names(suggestions, *more))]
+    NoSuchTensor {
+        /// The name asked for.
+        name: String,
+        /// The nearest names of the model, best first.
+        suggestions: Vec<String>,
+        /// Near names beyond those in `suggestions`.
+        more: usize,
+    },
+    /// A tensor reference that is not one of this model's: made by another
+    /// [`Model`](crate::Model) (its shard index and range would name other
+    /// bytes here), or a part of a tensor whose range leaves the tensor.
+    #[error("tensor {name:?}: this reference belongs to another model than the one opened from {} (or was edited to leave its tensor's bytes); use a TensorRef only with the Model it came from", escape(model))]
+    ForeignTensor {
+        /// The tensor's name.
+        name: String,
+        /// The primary directory of the model it was used with.
+        model: PathBuf,
+    },
+    /// An expert of a mixture-of-experts model was asked for and is not
+    /// there ([`Model::experts`](crate::Model::experts)).
+    #[error("{0}")]
+    Experts(ExpertsError),
     /// A payload cannot be viewed as the type asked for.
     #[error("tensor {tensor}: cannot view its payload as [{ty}]: {why}")]
     View {
@@ -224,6 +249,108 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+}
+
+/// The most names a [`Error::NoSuchTensor`] suggests.
+pub const SUGGESTIONS: usize = 4;
+
+/// `; did you mean "a" or "b"?` and how many more there are, or nothing.
+fn near_names(suggestions: &[String], more: usize) -> String {
+    let Some((last, first)) = suggestions.split_last() else {
+        return String::new();
+    };
+    let quoted: Vec<String> = first.iter().map(|s| format!("{s:?}")).collect();
+    let list = if quoted.is_empty() {
+        format!("{last:?}")
+    } else {
+        format!("{} or {last:?}", quoted.join(", "))
+    };
+    let more = match more {
+        0 => String::new(),
+        1 => " (1 more name differs from it in one part)".to_string(),
+        n => format!(" ({n} more names differ from it in one part)"),
+    };
+    format!("; did you mean {list}?{more}")
+}
+
+/// Why an expert view or a part of it is not there
+/// ([`Model::experts`](crate::Model::experts)).
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ExpertsError {
+    /// No tensor name follows a known expert convention.
+    #[error(
+        "{}: no experts recognised among the model's {tensors} tensor(s){}: expected names such as \
+         model.layers.<L>.mlp.experts.<E>.gate_proj.weight, model.layers.<L>.block_sparse_moe.experts.<E>.w1.weight, \
+         model.layers.<L>.mlp.shared_expert.up_proj.weight or fused model.layers.<L>.mlp.experts.gate_up_proj",
+        escape(dir),
+        example.as_ref().map_or(String::new(), |e| format!(" (the first is {e:?})"))
+    )]
+    NoneRecognised {
+        /// The model's primary directory.
+        dir: PathBuf,
+        /// How many tensors the model has.
+        tensors: usize,
+        /// The first tensor name, for a glance at the convention used.
+        example: Option<String>,
+    },
+    /// A layer past the last one with experts.
+    #[error("experts: layer {layer} is out of range: the model's experts are in layers numbered below {layers} ({layers} layer(s), 0 to {})", .layers.saturating_sub(1))]
+    LayerOutOfRange {
+        /// The layer asked for.
+        layer: usize,
+        /// One past the highest layer number that has experts.
+        layers: usize,
+    },
+    /// A layer in range that has no experts (a dense layer).
+    #[error("experts: layer {layer} has no experts (a dense layer?); {with} of the model's {layers} layer(s) have experts: {list}")]
+    LayerWithoutExperts {
+        /// The layer asked for.
+        layer: usize,
+        /// One past the highest layer number that has experts.
+        layers: usize,
+        /// How many layers have experts.
+        with: usize,
+        /// Those layers, as ranges (`3-60`).
+        list: String,
+    },
+    /// An expert number the layer does not have.
+    #[error("experts: layer {layer} has no expert {expert}: {}", routed(*.count, *.highest))]
+    NoSuchExpert {
+        /// The layer.
+        layer: usize,
+        /// The expert asked for.
+        expert: usize,
+        /// How many routed experts the layer has.
+        count: usize,
+        /// The highest expert number it has (0 when it has none).
+        highest: usize,
+    },
+    /// A projection the expert does not have.
+    #[error("experts: {expert} has no projection {projection:?}; it has {}", .have.iter().map(|p| format!("{p:?}")).collect::<Vec<_>>().join(", "))]
+    NoSuchProjection {
+        /// The expert (`layer 3 expert 17`, `layer 3 shared expert`).
+        expert: String,
+        /// The projection asked for.
+        projection: String,
+        /// The projections it has.
+        have: Vec<String>,
+    },
+}
+
+/// A layer's routed experts, in words.
+fn routed(count: usize, highest: usize) -> String {
+    match count {
+        0 => "it has no routed experts (only shared ones)".to_string(),
+        n if n == highest.saturating_add(1) => format!("it has {n} routed expert(s), numbered 0 to {highest}"),
+        n => format!("it has {n} routed expert(s), numbered up to {highest} with gaps"),
+    }
+}
+
+impl From<ExpertsError> for Error {
+    fn from(e: ExpertsError) -> Self {
+        Error::Experts(e)
+    }
 }
 
 impl Error {

@@ -41,7 +41,7 @@
 //! let model = Model::open(ModelConfig::new(&dir))?;
 //! let engine = Engine::new(&model, EngineConfig::default())?;
 //! let tensor = model.tensor("w")?;
-//! let arena = engine.arena(model.slot_spec_for_largest(""), 4)?;
+//! let arena = engine.arena(model.slot_spec_for_largest("")?, 4)?;
 //! let loaded = engine.read(tensor, arena.take().unwrap())?.wait()?;
 //! assert_eq!(loaded.len(), 5000);
 //! assert!(loaded.iter().enumerate().all(|(i, &b)| b == (i % 251) as u8));
@@ -79,11 +79,12 @@ pub use config::{env, BackendChoice, DirectMode, EngineConfig, IoPoll, ModelConf
 pub use engine::{
     DrivePlacement, Engine, Fault, Lent, LentLoaded, LentTicket, Loaded, Scratch, ShutdownReport, Ticket,
 };
-pub use error::{escape, Error, HeaderError, Result};
+pub use error::{escape, Error, ExpertsError, HeaderError, Result, SUGGESTIONS};
 pub use format::catalog::{Catalog, ShardInfo, TensorRef, INDEX_FILE, MAX_INDEX_LEN};
 pub use format::container::{ShardHeader, TensorEntry, MAX_HEADER_LEN};
 pub use format::dtype::Dtype;
 pub use format::element::Element;
+pub use format::experts::{Expert, ExpertLayer, Experts, Projection, MAX_FUSED_EXPERTS};
 pub use load::{
     LoadOptions, LoadProgress, LoadReport, LoadedModel, Order, TensorStream, TensorView, DEFAULT_LOAD_WINDOW,
     MAX_LOAD_ALIGN,

@@ -381,7 +381,7 @@ fn parts_refuse_what_is_not_inside_the_tensor() {
     let arena = e.packed_arena(1 << 20, false).unwrap();
     assert!(matches!(
         e.read(&forged, arena.take_for(t).unwrap()),
-        Err(Error::NoSuchTensor(_))
+        Err(Error::ForeignTensor { .. })
     ));
 }
 

@@ -173,7 +173,7 @@ fn stress(backend: BackendChoice) {
             "uring"
         }
     );
-    let arena = engine.arena(model.slot_spec_for_largest(""), SLOTS).unwrap();
+    let arena = engine.arena(model.slot_spec_for_largest("").unwrap(), SLOTS).unwrap();
     let tally = Tally::default();
     let before = engine.stats().bytes;
     let t0 = Instant::now();

@@ -101,7 +101,7 @@ fn truncate_half(path: &Path) -> u64 {
 /// Reads every tensor; returns per tensor Ok(()) when the bytes are the
 /// generator's, or the error. Wrong bytes are a panic.
 fn read_all(engine: &Engine, model: &Model, seed: u64, what: &str) -> Vec<(TensorRef, Result<(), Error>)> {
-    let arena = engine.arena(model.slot_spec_for_largest(""), 4).unwrap();
+    let arena = engine.arena(model.slot_spec_for_largest("").unwrap(), 4).unwrap();
     let tensors: Vec<TensorRef> = model.catalog().tensors().to_vec();
     let mut out = Vec::new();
     // Up to 4 reads in flight.
@@ -321,7 +321,7 @@ fn bytes_count_the_prefix_of_a_short_read() {
         let to_mirror = (0..)
             .find(|&k| route::hash_pick(k, &route::cuts(model.rank_weights())) == 1)
             .unwrap();
-        let arena = engine.arena(model.slot_spec_for_largest(""), 1).unwrap();
+        let arena = engine.arena(model.slot_spec_for_largest("").unwrap(), 1).unwrap();
         let before = engine.stats();
         let loaded = engine
             .read_keyed(&t, arena.take().unwrap(), to_mirror)
@@ -343,7 +343,9 @@ fn bytes(engine: &Engine) -> Vec<u64> {
 /// Reads `t` (with `key` when given) and returns the index of the one drive
 /// whose byte count grew, by exactly the payload.
 fn drive_that_served(engine: &Engine, t: &TensorRef, key: Option<u64>, seed: u64) -> usize {
-    let arena = engine.arena(engine.model().slot_spec_for_largest(""), 1).unwrap();
+    let arena = engine
+        .arena(engine.model().slot_spec_for_largest("").unwrap(), 1)
+        .unwrap();
     let before = bytes(engine);
     let slot = arena.take().unwrap();
     let ticket = match key {

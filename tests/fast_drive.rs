@@ -30,7 +30,7 @@ fn cpus() -> usize {
 }
 
 fn read_all(engine: &Engine, model: &Model, seed: u64) {
-    let arena = engine.arena(model.slot_spec_for_largest(""), 8).unwrap();
+    let arena = engine.arena(model.slot_spec_for_largest("").unwrap(), 8).unwrap();
     let tensors = model.catalog().tensors();
     for batch in tensors.chunks(8) {
         let tickets: Vec<_> = batch
@@ -220,7 +220,7 @@ fn a_large_read_is_cut_in_grown_chunks_unless_the_size_is_set() {
     let t = model.catalog().tensors().iter().max_by_key(|t| t.len).unwrap().clone();
     let chunks_of_one_read = |config: EngineConfig| {
         let engine = Engine::new(&model, config.submit(SubmitMode::Inline)).unwrap();
-        let arena = engine.arena(model.slot_spec_for_largest(""), 1).unwrap();
+        let arena = engine.arena(model.slot_spec_for_largest("").unwrap(), 1).unwrap();
         let before = engine.stats().drives[0].chunks;
         let l = engine.read(&t, arena.take().unwrap()).unwrap().wait().unwrap();
         assert!(synth::verify(s.seed, &t.name, &l), "{}: wrong bytes", t.name);

@@ -251,7 +251,7 @@ fn read_anywhere_chooses_an_in_phase_place() {
         );
     }
     // A fixed arena has no places to choose: an error naming the fix.
-    let fixed = e.arena(model.slot_spec_for_largest(""), 1).unwrap();
+    let fixed = e.arena(model.slot_spec_for_largest("").unwrap(), 1).unwrap();
     let err = e.read_anywhere(xs[0], &fixed).unwrap_err().to_string();
     assert!(err.contains("Arena::take"), "{err}");
 }

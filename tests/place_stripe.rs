@@ -36,7 +36,7 @@ fn stream_layers(primary: &Path, seed: u64) -> (u64, f64) {
     let ahead = stripe::readahead_default(n_roots);
     let per_layer = by_layer.values().map(Vec::len).max().unwrap();
     let arena = engine
-        .arena(model.slot_spec_for_largest(""), ahead * per_layer)
+        .arena(model.slot_spec_for_largest("").unwrap(), ahead * per_layer)
         .unwrap();
     let order: Vec<_> = by_layer.values().flatten().collect();
     let mut pending = VecDeque::new();

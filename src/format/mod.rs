@@ -5,3 +5,4 @@ pub(crate) mod catalog;
 pub(crate) mod container;
 pub(crate) mod dtype;
 pub(crate) mod element;
+pub(crate) mod experts;

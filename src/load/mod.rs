@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::{Error, Result};
-use crate::format::catalog::TensorRef;
+use crate::format::catalog::{Catalog, TensorRef};
 use crate::format::dtype::Dtype;
 
 mod layout;
@@ -136,7 +136,10 @@ impl LoadOptions {
     }
 
     /// Only tensors whose name contains one of `parts` (added to any given
-    /// before; with none, every name matches).
+    /// before; with none, every name matches). A part that no tensor name
+    /// of the model contains is an error of the load naming it (a typo
+    /// would otherwise load less than asked, silently), even when the
+    /// other parts select tensors.
     pub fn names_containing<I, S>(mut self, parts: I) -> Self
     where
         I: IntoIterator<Item = S>,
@@ -228,6 +231,29 @@ impl LoadOptions {
             (None, Some(p)) => p,
             (None, None) => "no filter (every tensor)".to_string(),
         }
+    }
+
+    /// Every name part given ([`LoadOptions::names_containing`]) is in
+    /// some tensor name of `catalog`; else an error naming the parts that
+    /// are in none.
+    pub(crate) fn check_names(&self, catalog: &Catalog) -> Result<()> {
+        let unmatched: Vec<String> = self
+            .names
+            .iter()
+            .filter(|n| !catalog.tensors().iter().any(|t| t.name.contains(n.as_str())))
+            .map(|n| format!("{n:?}"))
+            .collect();
+        if unmatched.is_empty() {
+            return Ok(());
+        }
+        Err(Error::Config(format!(
+            "load_all: no tensor selected by {} for {}: no tensor name contains it (the model in {} has {} tensor(s); \
+             every part given must select at least one)",
+            self.selection(),
+            unmatched.join(", "),
+            crate::error::escape(catalog.dir()),
+            catalog.tensors().len()
+        )))
     }
 
     /// The alignment asked for with [`LoadOptions::align`] (0: none).

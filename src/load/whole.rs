@@ -251,6 +251,7 @@ impl Engine {
         let t0 = Instant::now();
         opts.check()?;
         let model = self.model();
+        opts.check_names(model.catalog())?;
         let mut chosen: Vec<&TensorRef> = model.catalog().tensors().iter().filter(|t| opts.selects(t)).collect();
         if chosen.is_empty() {
             // Nothing to load is a mistake in the filter, never a load of

@@ -14,8 +14,9 @@
 use std::sync::{Arc, OnceLock};
 
 use crate::config::{DirectMode, RoutePolicy};
-use crate::error::{Error, Result};
+use crate::error::{Error, ExpertsError, Result};
 use crate::format::catalog::{Catalog, TensorRef};
+use crate::format::experts::Experts;
 use crate::memory::SlotSpec;
 use crate::stats::warning::{self, Warning};
 use crate::stats::{self, DriveStats, FallbackCause, Stats};
@@ -64,6 +65,8 @@ struct ModelInner {
     /// Mirror directories on the same filesystem as the other copies of
     /// their shards, with the device (warned at open; in the warnings).
     shared_mirrors: Vec<(std::path::PathBuf, String)>,
+    /// The expert view, recognised from the names on first use.
+    experts: OnceLock<Experts>,
 }
 
 impl Model {
@@ -138,9 +141,16 @@ impl Model {
         &self.inner.report
     }
 
-    /// Looks a tensor up by name.
+    /// Looks a tensor up by name; when absent, an error suggesting the
+    /// nearest names ([`Catalog::tensor`]).
     pub fn tensor(&self, name: &str) -> Result<&TensorRef> {
         self.inner.catalog.tensor(name)
+    }
+
+    /// The tensor named `name`, if there is one: for optional tensors (no
+    /// suggestions computed on a miss; [`Catalog::get`]).
+    pub fn get(&self, name: &str) -> Option<&TensorRef> {
+        self.inner.catalog.get(name)
     }
 
     /// The slot alignment every shard of this model is satisfied by.
@@ -154,9 +164,62 @@ impl Model {
     }
 
     /// A slot spec that holds the largest tensor whose name contains
-    /// `filter` ("" for every tensor), aligned for every shard.
-    pub fn slot_spec_for_largest(&self, filter: &str) -> SlotSpec {
-        SlotSpec::new(self.inner.catalog.largest(filter).unwrap_or(0).max(1) as usize).with_align(self.required_align())
+    /// `filter` ("" for every tensor), aligned for every shard. A filter
+    /// that no tensor name contains is an error naming it (never a slot
+    /// sized for nothing).
+    pub fn slot_spec_for_largest(&self, filter: &str) -> Result<SlotSpec> {
+        let cat = &self.inner.catalog;
+        let largest = cat.largest(filter).ok_or_else(|| {
+            Error::Config(format!(
+                "slot_spec_for_largest({filter:?}): no tensor name contains {filter:?} (the model in {} has {} tensor(s))",
+                crate::error::escape(cat.dir()),
+                cat.tensors().len()
+            ))
+        })?;
+        let len = usize::try_from(largest.max(1)).map_err(|_| {
+            Error::Config(format!(
+                "slot_spec_for_largest({filter:?}): the largest tensor is {largest} bytes, more than this machine can address"
+            ))
+        })?;
+        Ok(SlotSpec::new(len).with_align(self.required_align()))
+    }
+
+    /// The model's experts (mixture-of-experts layers), recognised from the
+    /// tensor names once and kept: per layer, per expert, the projections
+    /// and their companions (see [`Experts`] for the conventions). A model
+    /// whose names follow none of them is an error
+    /// ([`ExpertsError::NoneRecognised`](crate::ExpertsError::NoneRecognised)).
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use weightstream::{Dtype, Model, ModelConfig};
+    /// let dir = weightstream::__internal::doc_model("experts", &[
+    ///     ("model.layers.0.mlp.experts.0.up_proj.weight", Dtype::Bf16, 64),
+    ///     ("model.layers.0.mlp.experts.1.up_proj.weight", Dtype::Bf16, 64),
+    ///     ("model.layers.0.mlp.experts.1.up_proj.weight_scale", Dtype::F32, 4),
+    /// ])?;
+    /// let model = Model::open(ModelConfig::new(&dir))?;
+    /// let expert = model.experts()?.layer(0)?.expert(1)?;
+    /// let up = expert.projection("up_proj")?;
+    /// assert_eq!(up.weight().unwrap().name, "model.layers.0.mlp.experts.1.up_proj.weight");
+    /// assert!(up.part("weight_scale").is_some());
+    /// assert_eq!(expert.bytes(), 68);
+    /// assert!(model.experts()?.layer(1).is_err()); // one layer: 0
+    /// # std::fs::remove_dir_all(dir)?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn experts(&self) -> Result<&Experts> {
+        let cat = &self.inner.catalog;
+        let experts = self.inner.experts.get_or_init(|| Experts::from_tensors(cat.tensors()));
+        if experts.is_empty() {
+            return Err(Error::Experts(ExpertsError::NoneRecognised {
+                dir: cat.dir().to_path_buf(),
+                tensors: cat.tensors().len(),
+                example: cat.tensors().first().map(|t| t.name.clone()),
+            }));
+        }
+        Ok(experts)
     }
 
     /// The open shard holding `tensor`, after checking that `tensor` is this
@@ -168,11 +231,10 @@ impl Model {
     pub(crate) fn file_of(&self, tensor: &TensorRef) -> Result<&ShardFile> {
         match self.inner.catalog.tensors().get(tensor.index) {
             Some(own) if tensor.is_part_of(own) => Ok(&self.inner.files[tensor.shard]),
-            _ => Err(Error::NoSuchTensor(format!(
-                "{} (this tensor reference belongs to another model than {})",
-                tensor.name,
-                self.inner.catalog.dir().display()
-            ))),
+            _ => Err(Error::ForeignTensor {
+                name: tensor.name.clone(),
+                model: self.inner.catalog.dir().to_path_buf(),
+            }),
         }
     }
 

@@ -102,6 +102,7 @@ impl Model {
                 keys,
                 report: b.report,
                 shared_mirrors,
+                experts: std::sync::OnceLock::new(),
             }),
         })
     }

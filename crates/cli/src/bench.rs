@@ -574,7 +574,7 @@ fn run_arm(
                 });
             let engine = Engine::new(model, ecfg)?;
             let _said = crate::warnings::Watch(|| engine.warnings());
-            let spec = model.slot_spec_for_largest(&cfg.filter);
+            let spec = model.slot_spec_for_largest(&cfg.filter)?;
             let arena = engine.arena(spec, cfg.concurrency.max(1))?;
             let before: Vec<u64> = engine.stats().drives.iter().map(|d| d.bytes).collect();
             let mut t = engine_reads(&engine, &arena, order, cfg.timeline_ms, progress)?;

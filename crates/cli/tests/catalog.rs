@@ -263,6 +263,15 @@ fn index_naming_a_missing_shard_is_an_error_naming_the_index() {
         "does not name the index: {err}"
     );
     assert!(err.contains(missing), "does not name the missing shard: {err}");
+    // Said as what it is: files missing from the directory, which is named.
+    assert!(
+        err.contains(&format!(
+            "names 1 shard file(s) that are missing from {}: \"{missing}\"",
+            dir.display()
+        )),
+        "does not say the file is missing from the directory: {err}"
+    );
+    assert!(err.contains("1 *.safetensors file(s) found there"), "{err}");
 
     let out = common::run(&[OsStr::new("digest"), dir.as_os_str()]);
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -271,6 +280,28 @@ fn index_naming_a_missing_shard_is_an_error_naming_the_index() {
         stderr.contains(&index.display().to_string()) && !stderr.contains("panicked"),
         "{stderr}"
     );
+}
+
+/// With split directories, the message names every directory searched.
+#[test]
+fn index_naming_a_shard_missing_from_every_directory_names_them() {
+    let tmp = common::tempdir();
+    let (primary, split) = (tmp.path().join("primary"), tmp.path().join("split"));
+    std::fs::create_dir_all(&primary).unwrap();
+    std::fs::create_dir_all(&split).unwrap();
+    shard(&primary.join(S1), &[("a", 10)], 8);
+    shard(&split.join(S2), &[("b", 10)], 9);
+    write_index(&primary, &[("a", S1), ("b", S2), ("c", S3), ("d", "zz.safetensors")]);
+    let err = Model::open(ModelConfig::new(&primary).dirs([&split]))
+        .unwrap_err()
+        .to_string();
+    let want = format!(
+        "names 2 shard file(s) that are missing from {} and the split directory {}: \"{S3}\", \"zz.safetensors\" \
+         (2 *.safetensors file(s) found there",
+        primary.display(),
+        split.display()
+    );
+    assert!(err.contains(&want), "{err}\nwanted: {want}");
 }
 
 #[test]

@@ -203,7 +203,7 @@ fn truncated_then_re_extended_is_named_by_verify_and_by_the_failed_read() {
         let shown = r.files[0].changes[0].to_string();
         assert_eq!(shown, format!("size {size} -> {}", size * 3 / 4));
 
-        let arena = engine.arena(model.slot_spec_for_largest(""), 1).unwrap();
+        let arena = engine.arena(model.slot_spec_for_largest("").unwrap(), 1).unwrap();
         let t = model.tensor("tail").unwrap();
         let err = engine
             .read(t, arena.take().unwrap())

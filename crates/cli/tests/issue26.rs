@@ -152,6 +152,33 @@ fn load_of_nothing_is_an_error_naming_the_filter() {
     }
 }
 
+/// One --name of several that matches nothing is a typo, refused naming
+/// it, never a load of less than was asked (issue 19).
+#[test]
+fn load_with_one_name_matching_nothing_is_an_error_naming_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("m");
+    tiny_model(&model);
+    for method in ["weightstream", "mmap"] {
+        let out = run_limited(&[
+            OsStr::new("load"),
+            model.as_os_str(),
+            OsStr::new("--name"),
+            OsStr::new("layers.0."),
+            OsStr::new("--name"),
+            OsStr::new("lm_haed"),
+            OsStr::new("--method"),
+            OsStr::new(method),
+        ]);
+        let e = refused(&out, &format!("load --name layers.0. --name lm_haed --method {method}"));
+        assert!(
+            e.contains("--name \"lm_haed\": no tensor name contains it") && !e.contains("\"layers.0.\""),
+            "{e}"
+        );
+        assert!(out.stdout.is_empty(), "no report of a partial load");
+    }
+}
+
 #[test]
 fn a_refused_arena_names_the_bytes_the_limit_and_the_flag() {
     let tmp = tempfile::tempdir().unwrap();

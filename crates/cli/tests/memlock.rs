@@ -266,7 +266,7 @@ fn arena_dropped_while_the_engine_lives_gives_back_its_locked_memory() {
     let exe = copy_exe(&std::env::current_exe().unwrap(), tmp.path());
     // Room for one arena of ARENA_SLOTS largest-tensor slots, not two.
     let model = weightstream::Model::open(weightstream::ModelConfig::new(&dir)).unwrap();
-    let one = (model.slot_spec_for_largest("").slot_len().unwrap() * ARENA_SLOTS) as u64;
+    let one = (model.slot_spec_for_largest("").unwrap().slot_len().unwrap() * ARENA_SLOTS) as u64;
     let limit = (one + one / 2).next_multiple_of(4096);
     let hard = rustix::process::getrlimit(rustix::process::Resource::Memlock).maximum;
     if hard.is_some_and(|h| limit > h) {
@@ -303,7 +303,7 @@ fn child(dir: &Path) {
     let model = Model::open(ModelConfig::new(dir)).unwrap();
     let cfg = EngineConfig::default().backend(BackendChoice::Uring);
     let engine = Engine::new(&model, cfg).unwrap();
-    let spec = model.slot_spec_for_largest("");
+    let spec = model.slot_spec_for_largest("").unwrap();
     let t = &model.catalog().tensors()[0];
     let unregistered = |e: &Engine| e.stats().drives.iter().map(|d| d.chunks_unregistered).sum::<u64>();
     for round in 0..3 {
@@ -431,7 +431,7 @@ fn warnings_child(dir: &Path) {
         before.iter().all(|w| w.kind != WarningKind::Memlock),
         "no memlock warning before any arena: {before:#?}"
     );
-    let arena = engine.arena(model.slot_spec_for_largest(""), ARENA_SLOTS).unwrap();
+    let arena = engine.arena(model.slot_spec_for_largest("").unwrap(), ARENA_SLOTS).unwrap();
     let t = &model.catalog().tensors()[0];
     let loaded = engine.read(t, arena.take().unwrap()).unwrap().wait().unwrap();
     assert_eq!(loaded.len() as u64, t.len);

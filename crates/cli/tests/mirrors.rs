@@ -525,7 +525,7 @@ fn mirror_files_are_opened_read_only_and_never_written() {
             "{backend}: no O_DIRECT descriptor on the mirror: {fds:?}"
         );
         // Read everything, across both copies.
-        let arena = engine.arena(model.slot_spec_for_largest(""), 1).unwrap();
+        let arena = engine.arena(model.slot_spec_for_largest("").unwrap(), 1).unwrap();
         for t in model.catalog().tensors() {
             let loaded = engine.read(t, arena.take().unwrap()).unwrap().wait().unwrap();
             let file = std::fs::read(&model.catalog().shards()[t.shard].path).unwrap();

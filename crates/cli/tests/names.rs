@@ -162,3 +162,45 @@ fn cli_shows_non_utf8_names_escaped_and_does_not_panic() {
     let sums = common::parse_sums(&String::from_utf8(out.stdout).unwrap());
     assert_eq!(sums.keys().collect::<Vec<_>>(), ["t1", "t2"]);
 }
+
+/// A tensor name that is not in the model (issue 19): `digest --tensor`
+/// says which names are nearest (a projection misspelt, a number out of
+/// range, a missing `model.` prefix), and names the flag.
+#[test]
+fn digest_of_a_misspelt_tensor_suggests_the_nearest_names() {
+    let tmp = common::tempdir();
+    let spec = weightstream_synth::SynthSpec {
+        layers: 2,
+        experts: 2,
+        expert_bytes: 4096,
+        shards: 1,
+        ..weightstream_synth::SynthSpec::default()
+    };
+    common::synth_model(tmp.path(), &spec);
+    for (asked, nearest) in [
+        (
+            "model.layers.0.mlp.experts.1.up_prj.weight",
+            "model.layers.0.mlp.experts.1.up_proj.weight",
+        ),
+        (
+            "model.layers.0.mlp.experts.5.up_proj.weight",
+            "model.layers.0.mlp.experts.1.up_proj.weight",
+        ),
+        ("layers.1.mlp.router.weight", "model.layers.1.mlp.router.weight"),
+    ] {
+        let out = common::run(&[
+            OsStr::new("digest"),
+            tmp.path().as_os_str(),
+            OsStr::new("--tensor"),
+            OsStr::new(asked),
+        ]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && out.stdout.is_empty(), "{stderr}");
+        assert!(
+            stderr.contains(&format!(
+                "--tensor {asked:?}: no tensor named {asked:?} in the model; did you mean {nearest:?}"
+            )),
+            "{stderr}"
+        );
+    }
+}

@@ -47,7 +47,7 @@ pub(crate) fn demo(dir: Option<PathBuf>, size: u64, keep: bool) -> CliResult {
         .iter()
         .filter(|t| t.name.contains(".experts."))
         .collect();
-    let arena = Arena::new(model.slot_spec_for_largest(".experts."), 1)?;
+    let arena = Arena::new(model.slot_spec_for_largest(".experts.")?, 1)?;
     let (mut bytes, mut bad) = (0u64, 0usize);
     for t in &experts {
         let slot = arena.take().expect("one slot, returned after each read");

@@ -95,18 +95,25 @@ pub(crate) fn load(dir: &Path, args: &LoadArgs, engine_args: &EngineArgs, layout
         .iter()
         .filter(|t| selected(&t.name))
         .fold((0usize, 0u64), |(n, b), t| (n + 1, b.saturating_add(t.len)));
-    if count == 0 {
-        // Nothing selected is a mistake in --name, never a load of nothing
-        // reported per GB of nothing.
+    // A --name in no tensor name is a mistake (a typo loads less than
+    // asked, silently), even when the other names select tensors; nothing
+    // selected is never a load of nothing reported per GB of nothing.
+    let unmatched: Vec<String> = args
+        .names
+        .iter()
+        .filter(|n| !model.catalog().tensors().iter().any(|t| t.name.contains(n.as_str())))
+        .map(|n| format!("{n:?}"))
+        .collect();
+    if count == 0 || !unmatched.is_empty() {
         let n = model.catalog().tensors().len();
         return Err(if args.names.is_empty() {
             format!("load: the model in {} has no tensors", escape(dir))
         } else {
-            let names: Vec<String> = args.names.iter().map(|n| format!("{n:?}")).collect();
             format!(
-                "load: --name {}: no tensor name contains any of them (the model in {} has {n} tensor(s); \
+                "load: --name {}: no tensor name contains {} (the model in {} has {n} tensor(s); \
                  `weightstream inspect` lists them)",
-                names.join(", --name "),
+                unmatched.join(", --name "),
+                if unmatched.len() == 1 { "it" } else { "any of them" },
                 escape(dir)
             )
         }
