@@ -260,7 +260,7 @@ impl Engine {
     }
 
     /// A packed arena of `bytes` (slots of any size taken with
-    /// [`Arena::take_for`] or [`Arena::take_sized`], first fit), registered
+    /// [`Arena::take_for`] or [`Arena::take_sized`], next fit), registered
     /// with every ring like [`Engine::arena`]: one arena for a model's
     /// tensors of every size. `populate` faults the pages in now; without
     /// it each page is faulted by the first read into it (the read then

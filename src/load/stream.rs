@@ -16,7 +16,7 @@ use crate::memory::Arena;
 /// at most `budget` bytes ([`Engine::stream`]). Each item is a [`Loaded`]
 /// (name, dtype, shape, payload) that holds its part of the budget until
 /// it is dropped; a read starts when a tensor's slot fits in the free part
-/// (first fit, in order: a large tensor waits for room rather than being
+/// (next fit, in order: a large tensor waits for room rather than being
 /// passed by smaller ones).
 ///
 /// An `Iterator` (blocking the calling thread while nothing has landed)

@@ -151,7 +151,7 @@ enum Carve {
         count: usize,
         free: Mutex<Vec<usize>>,
     },
-    /// Slots of any size: first fit over the free extents (none crossing a
+    /// Slots of any size: next fit over the free extents (none crossing a
     /// [`PIECE`], except a slot larger than a piece: it has no buffer index
     /// and reads unregistered), or at a place the caller names.
     Packed {
@@ -343,7 +343,9 @@ impl Arena {
 
     /// An arena of `bytes` (rounded up to the page) carved into slots of any
     /// size as they are taken ([`Arena::take_sized`], [`Arena::take_for`]),
-    /// first fit, each a multiple of the page; `align` is the scratch the
+    /// each a multiple of the page, next fit: each search starts where the
+    /// last slot taken ended and wraps once, so slots returned in the order
+    /// they were taken reuse the arena as a ring; `align` is the scratch the
     /// slots it sizes itself reserve before a payload (a power of two, at
     /// least the files' O_DIRECT alignment). `populate` faults every page in
     /// now (else each is faulted by its first read).
@@ -495,7 +497,7 @@ impl Arena {
         }
     }
 
-    /// A slot of `spec` from a packed arena (first fit), or `None` when no
+    /// A slot of `spec` from a packed arena (next fit), or `None` when no
     /// free extent holds it. A fixed arena hands out its own slots if `spec`
     /// fits them. An invalid spec is `None` (see [`SlotSpec::validate`]).
     pub fn take_sized(&self, spec: SlotSpec) -> Option<Slot> {

@@ -1,9 +1,18 @@
-//! Carving one mapping into slots of any size: first fit over the free
-//! extents (kept sorted and merged), every extent a multiple of the page,
+//! Carving one mapping into slots of any size: next fit over the free
+//! extents (kept sorted and merged; the search starts where the last
+//! extent taken ended and wraps once), every extent a multiple of the page,
 //! no slot straddling a `piece` boundary (each piece is registered with the
 //! rings as one fixed buffer, so a slot inside one piece always has a
 //! buffer index). Pure bookkeeping on offsets: no memory is touched here,
 //! so it is unit-tested and run under Miri like the window arithmetic.
+//!
+//! Why next fit: a decode loop takes a batch of slots, then returns the
+//! oldest batch (a few batches in flight). First fit puts each new slot in
+//! the lowest hole, between slots still out, and the holes left when the
+//! oldest batch goes are too small for the next large slot: the arena
+//! fragments. Next fit takes from where the last slot ended, so slots
+//! returned oldest first free the space ahead of the roving start and the
+//! arena is used as a ring.
 
 use std::collections::BTreeMap;
 
@@ -17,6 +26,14 @@ pub(crate) struct Extents {
     free: BTreeMap<usize, usize>,
     /// start -> length of each extent handed out.
     used: BTreeMap<usize, usize>,
+    /// Where the next search starts: the end of the last extent [`take`]
+    /// handed out (0 at the end of the mapping).
+    ///
+    /// [`take`]: Extents::take
+    rove: usize,
+    /// Next fit (the policy); false only in the tests that show what first
+    /// fit does (the search then always starts at 0).
+    roving: bool,
 }
 
 impl Extents {
@@ -34,7 +51,17 @@ impl Extents {
             piece,
             free,
             used: BTreeMap::new(),
+            rove: 0,
+            roving: true,
         }
+    }
+
+    /// The same extents carved first fit (every search from offset 0): the
+    /// old policy, kept to show the fragmentation next fit avoids.
+    #[cfg(test)]
+    pub(crate) fn first_fit(mut self) -> Self {
+        self.roving = false;
+        self
     }
 
     /// `want` bytes rounded up to the unit; `None` when that overflows.
@@ -42,26 +69,48 @@ impl Extents {
         want.max(1).checked_add(self.unit - 1).map(|w| w & !(self.unit - 1))
     }
 
-    /// The lowest free extent of `want` bytes (rounded up to the unit) that
-    /// crosses no piece boundary: its start. An extent larger than a piece
-    /// cannot stay inside one: it is the lowest free run on the unit of that
-    /// size, wherever it starts (such a slot has no buffer index). `None`
-    /// when no free extent fits.
+    /// The first start on the unit in `[lo, hi)` from which `n` bytes (a
+    /// multiple of the unit) stay inside `[lo, hi)` and within one piece:
+    /// `lo` rounded up, or the next piece boundary. An extent larger than a
+    /// piece cannot stay inside one: it only has to fit.
+    fn fit(&self, lo: usize, hi: usize, n: usize) -> Option<usize> {
+        let mut at = lo.checked_add(self.unit - 1)? & !(self.unit - 1);
+        if n <= self.piece && at / self.piece != (at + n - 1) / self.piece {
+            at = (at / self.piece + 1) * self.piece;
+        }
+        (at.checked_add(n)? <= hi).then_some(at)
+    }
+
+    /// A free extent of `want` bytes (rounded up to the unit) that crosses
+    /// no piece boundary, next fit: the first one at or after the end of
+    /// the last extent taken, else (wrapping once) the first from the
+    /// start of the mapping. Returns its start and length. An extent larger
+    /// than a piece cannot stay inside one: it is the first free run on the
+    /// unit of that size, wherever it starts (such a slot has no buffer
+    /// index). `None` when no free extent fits.
     pub(crate) fn take(&mut self, want: usize) -> Option<(usize, usize)> {
         let n = self.rounded(want)?;
-        let found = self.free.iter().find_map(|(&start, &len)| {
-            // The first start on the unit inside this free extent from which
-            // n bytes stay within one piece: here, or at the next piece
-            // boundary. (Free extents start off the unit only after a placed
-            // slot.)
-            let end = start + len;
-            let mut at = start.checked_add(self.unit - 1)? & !(self.unit - 1);
-            if n <= self.piece && at / self.piece != (at + n - 1) / self.piece {
-                at = (at / self.piece + 1) * self.piece;
-            }
-            (at.checked_add(n)? <= end).then_some(at)
-        })?;
+        let from = if self.roving { self.rove } else { 0 };
+        // From `from` to the end: the rest of the free extent holding it,
+        // then every later one; then, wrapped, every extent that starts
+        // before it (whole: its bytes before `from` too).
+        let holding = self
+            .free
+            .range(..=from)
+            .next_back()
+            .map(|(&s, &l)| (from, s + l))
+            .filter(|&(lo, hi)| hi > lo);
+        let after = self.free.range(from.saturating_add(1)..).map(|(&s, &l)| (s, s + l));
+        let wrapped = self.free.range(..from).map(|(&s, &l)| (s, s + l));
+        let found = holding
+            .into_iter()
+            .chain(after)
+            .chain(wrapped)
+            .find_map(|(lo, hi)| self.fit(lo, hi, n))?;
         self.claim(found, n);
+        if self.roving {
+            self.rove = if found + n >= self.len { 0 } else { found + n };
+        }
         Some((found, n))
     }
 
@@ -134,7 +183,7 @@ mod tests {
     const U: usize = 4096;
 
     #[test]
-    fn first_fit_rounds_to_the_unit_and_merges_on_return() {
+    fn next_fit_rounds_to_the_unit_roves_and_merges_on_return() {
         let mut e = Extents::new(16 * U, U, 16 * U);
         let a = e.take(1).unwrap();
         assert_eq!(a, (0, U));
@@ -145,14 +194,27 @@ mod tests {
         assert_eq!(e.free_bytes(), 10 * U);
         assert!(e.give_back(b.0));
         assert!(!e.give_back(b.0), "returned twice");
-        // The hole of 2 units is reused first.
-        assert_eq!(e.take(2 * U).unwrap(), (U, 2 * U));
-        assert!(e.give_back(U));
-        assert!(e.give_back(0));
-        assert!(e.give_back(3 * U));
+        // Next fit: from where the last take ended, not the lowest hole.
+        assert_eq!(e.take(2 * U).unwrap(), (6 * U, 2 * U));
+        // To the very end: the search starts at 0 again (the wrap).
+        assert_eq!(e.take(8 * U).unwrap(), (8 * U, 8 * U));
+        assert_eq!(e.take(2 * U).unwrap(), (U, 2 * U), "the hole, found after the wrap");
+        for at in [0, U, 3 * U, 6 * U, 8 * U] {
+            assert!(e.give_back(at));
+        }
         assert_eq!(e.free_bytes(), 16 * U);
         assert_eq!(e.free.len(), 1, "every free extent merged back: {:?}", e.free);
         assert_eq!(e.used_count(), 0);
+    }
+
+    #[test]
+    fn first_fit_takes_the_lowest_hole() {
+        let mut e = Extents::new(16 * U, U, 16 * U).first_fit();
+        assert_eq!(e.take(1).unwrap(), (0, U));
+        assert_eq!(e.take(U + 1).unwrap(), (U, 2 * U));
+        assert_eq!(e.take(3 * U).unwrap(), (3 * U, 3 * U));
+        assert!(e.give_back(U));
+        assert_eq!(e.take(2 * U).unwrap(), (U, 2 * U));
     }
 
     #[test]
@@ -161,15 +223,19 @@ mod tests {
         assert_eq!(e.take(3 * U).unwrap(), (0, 3 * U));
         // 2 units would cross the boundary at 4: it starts at the next piece.
         assert_eq!(e.take(2 * U).unwrap(), (4 * U, 2 * U));
+        assert_eq!(e.take(U).unwrap(), (6 * U, U));
+        assert_eq!(e.take(U).unwrap(), (7 * U, U));
+        // Wrapped: the unit skipped before the boundary.
         assert_eq!(e.take(U).unwrap(), (3 * U, U));
-        assert!(e.take(5 * U).is_none(), "no free run that long");
-        assert!(e.take(3 * U).is_none(), "only 2 units left in the last piece");
-        assert_eq!(e.take(2 * U).unwrap(), (6 * U, 2 * U));
         assert!(e.take(1).is_none());
+        assert!(e.give_back(4 * U));
+        assert!(e.take(5 * U).is_none(), "no free run that long");
+        assert!(e.take(3 * U).is_none(), "only 2 units free");
+        assert_eq!(e.take(2 * U).unwrap(), (4 * U, 2 * U));
     }
 
     /// An extent larger than a piece cannot stay inside one: it takes the
-    /// lowest free run of its size, across piece boundaries.
+    /// first free run of its size, across piece boundaries.
     #[test]
     fn an_extent_larger_than_a_piece_spans_pieces() {
         let mut e = Extents::new(12 * U, U, 4 * U);
@@ -193,8 +259,8 @@ mod tests {
         assert_eq!(e.take(U).unwrap(), (0, U));
         assert!(e.give_back(2 * U));
         assert_eq!(e.take(U).unwrap(), (U, U));
-        // Placed anywhere, any length; a first-fit slot after it starts on
-        // the unit again.
+        // Placed anywhere, any length; a slot taken after it starts on the
+        // unit again.
         let mut e = Extents::new(8 * U, U, 8 * U);
         assert_eq!(e.take_at(100, 1000).unwrap(), (100, 1000));
         assert!(e.take_at(1099, 1).is_none(), "the last placed byte");
@@ -212,40 +278,94 @@ mod tests {
     /// overlap, none crosses a piece, and everything returns.
     #[test]
     fn random_use_never_overlaps() {
-        let (len, piece) = (64 * U, 16 * U);
-        let mut e = Extents::new(len, U, piece);
-        let mut owner = vec![0u32; len / U];
-        let mut live: Vec<(usize, usize, u32)> = Vec::new();
-        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
-        let mut next = || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
-        for id in 1..2000u32 {
-            if live.is_empty() || next() % 3 != 0 {
-                let want = (next() % (6 * U as u64)) as usize + 1;
-                if let Some((at, n)) = e.take(want) {
-                    assert!(n >= want && n.is_multiple_of(U));
-                    assert_eq!(at / piece, (at + n - 1) / piece, "straddles a piece");
-                    for o in &mut owner[at / U..(at + n) / U] {
-                        assert_eq!(*o, 0, "overlap");
-                        *o = id;
+        for first_fit in [false, true] {
+            let (len, piece) = (64 * U, 16 * U);
+            let mut e = Extents::new(len, U, piece);
+            if first_fit {
+                e = e.first_fit();
+            }
+            let mut owner = vec![0u32; len / U];
+            let mut live: Vec<(usize, usize, u32)> = Vec::new();
+            let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+            let mut next = || {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x
+            };
+            for id in 1..2000u32 {
+                if live.is_empty() || next() % 3 != 0 {
+                    let want = (next() % (6 * U as u64)) as usize + 1;
+                    if let Some((at, n)) = e.take(want) {
+                        assert!(n >= want && n.is_multiple_of(U));
+                        assert_eq!(at / piece, (at + n - 1) / piece, "straddles a piece");
+                        for o in &mut owner[at / U..(at + n) / U] {
+                            assert_eq!(*o, 0, "overlap");
+                            *o = id;
+                        }
+                        live.push((at, n, id));
                     }
-                    live.push((at, n, id));
+                } else {
+                    let k = (next() % live.len() as u64) as usize;
+                    let (at, n, _) = live.swap_remove(k);
+                    assert!(e.give_back(at));
+                    owner[at / U..(at + n) / U].fill(0);
                 }
-            } else {
-                let k = (next() % live.len() as u64) as usize;
-                let (at, n, _) = live.swap_remove(k);
+            }
+            for (at, _, _) in live.drain(..) {
                 assert!(e.give_back(at));
-                owner[at / U..(at + n) / U].fill(0);
+            }
+            assert_eq!(e.free_bytes(), len);
+            assert_eq!(e.free.len(), 1);
+        }
+    }
+
+    /// A decode loop in units: each step takes one batch (`sizes`, in
+    /// units), then returns the oldest batch once `in_flight` are out.
+    /// Returns the first refusal (step, slot), or None when every take
+    /// succeeded. Checks no overlap and no piece straddled on the way.
+    fn run_fifo(e: &mut Extents, steps: &[Vec<usize>], in_flight: usize) -> Option<(usize, usize)> {
+        let mut owner = vec![false; e.len.div_ceil(e.unit)];
+        let mut out: std::collections::VecDeque<Vec<(usize, usize)>> = Default::default();
+        for (i, batch) in steps.iter().enumerate() {
+            let mut taken = Vec::new();
+            for (j, &units) in batch.iter().enumerate() {
+                let Some((at, n)) = e.take(units * e.unit) else {
+                    return Some((i, j));
+                };
+                assert_eq!(n, units * e.unit);
+                if n <= e.piece {
+                    assert_eq!(at / e.piece, (at + n - 1) / e.piece, "straddles a piece");
+                }
+                for o in &mut owner[at / e.unit..(at + n) / e.unit] {
+                    assert!(!*o, "overlap");
+                    *o = true;
+                }
+                taken.push((at, n));
+            }
+            out.push_back(taken);
+            if out.len() == in_flight {
+                for (at, n) in out.pop_front().expect("a batch out") {
+                    assert!(e.give_back(at));
+                    owner[at / e.unit..(at + n) / e.unit].fill(false);
+                }
             }
         }
-        for (at, _, _) in live.drain(..) {
-            assert!(e.give_back(at));
-        }
-        assert_eq!(e.free_bytes(), len);
-        assert_eq!(e.free.len(), 1);
+        None
+    }
+
+    /// First fit fragments the pattern next fit carves as a ring: the
+    /// small slots of later steps take the lowest holes, between slots
+    /// still out, and when the large one comes the free bytes (15 units of
+    /// the 8 it needs) are in holes of at most 6. The same steps in the
+    /// same mapping under next fit: every take succeeds.
+    #[test]
+    fn first_fit_fragments_a_fifo_that_next_fit_does_not() {
+        let steps: Vec<Vec<usize>> = vec![vec![1, 4], vec![1, 1], vec![2, 2, 4], vec![2, 4, 2], vec![8]];
+        let len = 23 * U;
+        assert_eq!(run_fifo(&mut Extents::new(len, U, 1 << 30), &steps, 2), None);
+        let mut e = Extents::new(len, U, 1 << 30).first_fit();
+        assert_eq!(run_fifo(&mut e, &steps, 2), Some((4, 0)));
+        assert_eq!(e.free_bytes(), 15 * U);
     }
 }
