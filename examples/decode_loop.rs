@@ -79,7 +79,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
             for e in chosen {
                 for t in &experts[&(l, e)] {
-                    let slot = arena.take_for(t).ok_or("the arena holds one step")?;
+                    let slot = arena.take_for(t)?; // a TakeError says why not
                     reads.push((*t, slot));
                 }
             }

@@ -126,7 +126,7 @@ pub struct DrivePlacement {
 ///     let mut reads = Vec::new();
 ///     for e in chosen {
 ///         let t = model.tensor(&format!("layers.0.experts.{e}.w"))?;
-///         reads.push((t, arena.take_for(t).expect("room for one step")));
+///         reads.push((t, arena.take_for(t)?)); // a TakeError says why not
 ///     }
 ///     for ticket in engine.read_batch(reads)? {
 ///         let expert = ticket.wait()?;

@@ -162,7 +162,7 @@ impl TensorStream<'_> {
     /// fits. A refused read is the error (that tensor is dropped).
     fn fill(&mut self) -> Result<()> {
         while let Some(t) = self.queue.front() {
-            let Some(slot) = self.arena.take_for(t) else {
+            let Ok(slot) = self.arena.take_for(t) else {
                 break;
             };
             let t = self.queue.pop_front().expect("a front tensor");

@@ -16,6 +16,8 @@
 
 use std::collections::BTreeMap;
 
+use crate::error::TakeError;
+
 /// The free and used extents of one mapping, as byte offsets.
 #[derive(Debug)]
 pub(crate) struct Extents {
@@ -87,7 +89,8 @@ impl Extents {
     /// start of the mapping. Returns its start and length. An extent larger
     /// than a piece cannot stay inside one: it is the first free run on the
     /// unit of that size, wherever it starts (such a slot has no buffer
-    /// index). `None` when no free extent fits.
+    /// index). `None` when no free extent fits ([`Extents::refusal`] says
+    /// why).
     pub(crate) fn take(&mut self, want: usize) -> Option<(usize, usize)> {
         let n = self.rounded(want)?;
         let from = if self.roving { self.rove } else { 0 };
@@ -112,6 +115,51 @@ impl Extents {
             self.rove = if found + n >= self.len { 0 } else { found + n };
         }
         Some((found, n))
+    }
+
+    /// Why [`Extents::take`] of `want` bytes found nothing: the slot is
+    /// larger than the mapping (`NeverFits`), fewer bytes are free
+    /// (`Full`), or the free bytes are in holes none of which holds it
+    /// (`Fragmented`, with the largest hole).
+    pub(crate) fn refusal(&self, want: usize) -> TakeError {
+        let need = self.rounded(want).unwrap_or(want);
+        let free = self.free_bytes();
+        if need > self.len || self.rounded(want).is_none() {
+            TakeError::NeverFits {
+                field: "bytes",
+                need,
+                have: self.len,
+            }
+        } else if free < need {
+            TakeError::Full {
+                need,
+                free,
+                bytes: self.len,
+            }
+        } else {
+            TakeError::Fragmented {
+                need,
+                free,
+                largest: self.largest_hole(),
+                bytes: self.len,
+            }
+        }
+    }
+
+    /// The largest hole: the longest run of whole units free in one free
+    /// extent (from its first unit boundary to its last), piece boundaries
+    /// aside. A take of more can only fail; one of at most this can still
+    /// fail when it would cross a piece boundary.
+    pub(crate) fn largest_hole(&self) -> usize {
+        let mask = !(self.unit - 1);
+        self.free
+            .iter()
+            .map(|(&s, &l)| {
+                let lo = s.saturating_add(self.unit - 1) & mask;
+                ((s + l) & mask).saturating_sub(lo)
+            })
+            .max()
+            .unwrap_or(0)
     }
 
     /// Exactly `[at, at + want)` (at least one byte), if it is wholly free:
@@ -274,6 +322,65 @@ mod tests {
         assert_eq!(e.free.len(), 1);
     }
 
+    /// The largest hole counts whole units only (a free extent after a
+    /// placed slot starts off the unit), and the refusal names it.
+    #[test]
+    fn the_refusal_says_full_fragmented_or_never() {
+        let mut e = Extents::new(8 * U, U, 8 * U);
+        assert_eq!(e.largest_hole(), 8 * U);
+        assert_eq!(
+            e.refusal(9 * U),
+            TakeError::NeverFits {
+                field: "bytes",
+                need: 9 * U,
+                have: 8 * U
+            }
+        );
+        assert!(matches!(e.refusal(usize::MAX), TakeError::NeverFits { .. }));
+        for at in [0, 2 * U, 4 * U, 6 * U] {
+            assert_eq!(e.take_at(at, U).unwrap(), (at, U));
+        }
+        // Holes of one unit at 1, 3, 5, 7: 4 units free, none 2 long.
+        assert_eq!(e.largest_hole(), U);
+        assert!(e.take(2 * U).is_none());
+        assert_eq!(
+            e.refusal(2 * U),
+            TakeError::Fragmented {
+                need: 2 * U,
+                free: 4 * U,
+                largest: U,
+                bytes: 8 * U
+            }
+        );
+        assert_eq!(
+            e.refusal(5 * U - 1),
+            TakeError::Full {
+                need: 5 * U,
+                free: 4 * U,
+                bytes: 8 * U
+            }
+        );
+        // A hole from byte 100 to 2U holds one whole unit.
+        assert!(e.give_back(0));
+        assert_eq!(e.take_at(0, 100).unwrap(), (0, 100));
+        assert_eq!(e.largest_hole(), U);
+        assert_eq!(e.free_bytes(), 5 * U - 100);
+        // A hole that fits but crosses a piece: still Fragmented.
+        let mut e = Extents::new(8 * U, U, 4 * U);
+        assert_eq!(e.take_at(0, 3 * U).unwrap(), (0, 3 * U));
+        assert_eq!(e.take_at(5 * U, 3 * U).unwrap(), (5 * U, 3 * U));
+        assert!(e.take(2 * U).is_none(), "[3, 5) crosses the piece boundary at 4");
+        assert_eq!(
+            e.refusal(2 * U),
+            TakeError::Fragmented {
+                need: 2 * U,
+                free: 2 * U,
+                largest: 2 * U,
+                bytes: 8 * U
+            }
+        );
+    }
+
     /// Random takes and returns against a byte map: no two live extents
     /// overlap, none crosses a piece, and everything returns.
     #[test]
@@ -304,6 +411,8 @@ mod tests {
                             *o = id;
                         }
                         live.push((at, n, id));
+                    } else {
+                        assert!(!matches!(e.refusal(want), TakeError::NeverFits { .. }));
                     }
                 } else {
                     let k = (next() % live.len() as u64) as usize;
@@ -311,6 +420,9 @@ mod tests {
                     assert!(e.give_back(at));
                     owner[at / U..(at + n) / U].fill(0);
                 }
+                // The largest hole is a run of free units in the byte map.
+                let longest = owner.split(|&o| o != 0).map(|run| run.len() * U).max().unwrap_or(0);
+                assert_eq!(e.largest_hole(), longest);
             }
             for (at, _, _) in live.drain(..) {
                 assert!(e.give_back(at));
@@ -322,16 +434,16 @@ mod tests {
 
     /// A decode loop in units: each step takes one batch (`sizes`, in
     /// units), then returns the oldest batch once `in_flight` are out.
-    /// Returns the first refusal (step, slot), or None when every take
+    /// Returns the first refusal (step, slot, why), or None when every take
     /// succeeded. Checks no overlap and no piece straddled on the way.
-    fn run_fifo(e: &mut Extents, steps: &[Vec<usize>], in_flight: usize) -> Option<(usize, usize)> {
+    fn run_fifo(e: &mut Extents, steps: &[Vec<usize>], in_flight: usize) -> Option<(usize, usize, TakeError)> {
         let mut owner = vec![false; e.len.div_ceil(e.unit)];
         let mut out: std::collections::VecDeque<Vec<(usize, usize)>> = Default::default();
         for (i, batch) in steps.iter().enumerate() {
             let mut taken = Vec::new();
             for (j, &units) in batch.iter().enumerate() {
                 let Some((at, n)) = e.take(units * e.unit) else {
-                    return Some((i, j));
+                    return Some((i, j, e.refusal(units * e.unit)));
                 };
                 assert_eq!(n, units * e.unit);
                 if n <= e.piece {
@@ -364,8 +476,19 @@ mod tests {
         let steps: Vec<Vec<usize>> = vec![vec![1, 4], vec![1, 1], vec![2, 2, 4], vec![2, 4, 2], vec![8]];
         let len = 23 * U;
         assert_eq!(run_fifo(&mut Extents::new(len, U, 1 << 30), &steps, 2), None);
-        let mut e = Extents::new(len, U, 1 << 30).first_fit();
-        assert_eq!(run_fifo(&mut e, &steps, 2), Some((4, 0)));
-        assert_eq!(e.free_bytes(), 15 * U);
+        let failed = run_fifo(&mut Extents::new(len, U, 1 << 30).first_fit(), &steps, 2);
+        assert_eq!(
+            failed,
+            Some((
+                4,
+                0,
+                TakeError::Fragmented {
+                    need: 8 * U,
+                    free: 15 * U,
+                    largest: 6 * U,
+                    bytes: len
+                }
+            ))
+        );
     }
 }
