@@ -52,15 +52,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         return Err("no `layers.N ... experts.M` tensors in this model".into());
     }
 
-    // One registered arena for one step's reads (every size from it).
-    let step_bytes: usize = experts
-        .values()
-        .take(TOP_K)
-        .flatten()
-        .map(|t| (t.len as usize + 2 * 4096).next_multiple_of(4096))
-        .sum::<usize>()
-        * layers;
-    let arena = engine.packed_arena(step_bytes * 2, true)?;
+    // One registered arena for one step's reads (every size from it),
+    // sized by the arena's own rule: the largest step (each layer's TOP_K
+    // largest experts), one step out at a time (each step's slots are back
+    // before the next takes its own).
+    let mut largest_step: Vec<&TensorRef> = Vec::new();
+    for l in 0..layers {
+        let mut by_bytes: Vec<&Vec<&TensorRef>> = experts.range((l, 0)..(l + 1, 0)).map(|(_, ts)| ts).collect();
+        by_bytes.sort_by_key(|ts| std::cmp::Reverse(ts.iter().map(|t| t.len).sum::<u64>()));
+        largest_step.extend(by_bytes.into_iter().take(TOP_K).flatten().copied());
+    }
+    let arena = engine.packed_arena_for(&largest_step, 1, true)?;
 
     let (mut rng, mut bytes, t0) = (0x9e37_79b9_7f4a_7c15u64, 0u64, Instant::now());
     for step in 0..steps {

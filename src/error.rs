@@ -162,7 +162,7 @@ impl std::fmt::Display for TakeError {
                 f,
                 "arena full: a slot of {need} bytes does not fit in the {free} bytes free (of {bytes}); \
                  the rest is held by slots still out: drop them (or Arena::give_back) before taking more, \
-                 or make the arena larger"
+                 or make the arena larger (for a loop with batches in flight: Arena::packed_bytes_for)"
             ),
             TakeError::Fragmented {
                 need,
@@ -184,15 +184,15 @@ impl std::fmt::Display for TakeError {
                 write!(
                     f,
                     "; return slots in the order they were taken (whole batches, oldest first: next fit then \
-                     reuses the arena as a ring), make it larger, or return the slots between the \
-                     holes"
+                     reuses the arena as a ring), size it with Arena::packed_bytes_for, or return the slots \
+                     between the holes"
                 )
             }
             TakeError::NeverFits { field, need, have } => match *field {
                 "bytes" => write!(
                     f,
                     "a slot of {need} bytes can never fit in this packed arena of {have} bytes: make the arena \
-                     at least {need} bytes"
+                     at least {need} bytes (Arena::packed_bytes_for sizes one for a batch)"
                 ),
                 "tail_room" => write!(
                     f,

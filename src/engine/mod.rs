@@ -119,7 +119,10 @@ pub struct DrivePlacement {
 /// # let dir = weightstream::__internal::doc_model("decode", &spec)?;
 /// let model = Model::open(ModelConfig::new(&dir))?;
 /// let engine = Engine::new(&model, EngineConfig::default())?;
-/// let arena = engine.packed_arena(1 << 20, true)?;
+/// // Room for one step's two experts at a time (each step's slots are back
+/// // before the next takes its own), sized by the arena's own rule.
+/// let two = [model.tensor("layers.0.experts.0.w")?, model.tensor("layers.0.experts.1.w")?];
+/// let arena = engine.packed_arena_for(&two, 1, true)?;
 /// for step in 0..4 {
 ///     // The router's choice for this step: two experts.
 ///     let chosen = [step % 8, (step + 3) % 8];
@@ -270,6 +273,30 @@ impl Engine {
         let arena = Arena::packed(bytes, self.model.required_align(), populate)?;
         self.maybe_register(&arena);
         Ok(arena)
+    }
+
+    /// A packed arena sized for a loop over batches
+    /// ([`Arena::packed_bytes_for`] with the model's `required_align()`):
+    /// each step takes a slot per tensor of its batch ([`Arena::take_for`])
+    /// and returns the oldest batch's slots once `in_flight` batches are
+    /// out; `batch` is the largest batch a step reads. Such a loop never
+    /// gets a [`TakeError`](crate::TakeError) from it. Registered and
+    /// populated as [`Engine::packed_arena`].
+    ///
+    /// # Errors
+    /// [`Error::Forked`](crate::Error::Forked) in a forked child; what
+    /// [`Arena::packed_bytes_for`] refuses (an empty batch, `in_flight`
+    /// 0); what [`Engine::packed_arena`] does (the kernel refusing the
+    /// memory).
+    pub fn packed_arena_for(&self, batch: &[&TensorRef], in_flight: usize, populate: bool) -> Result<Arena> {
+        self.origin.check()?;
+        let bytes = Arena::packed_bytes_for(batch, in_flight, self.model.required_align())?;
+        self.packed_arena(bytes, populate).map_err(|e| {
+            e.size_set_by(format!(
+                "Engine::packed_arena_for ({in_flight} batches of {} tensors in flight)",
+                batch.len()
+            ))
+        })
     }
 
     fn engine_spec(&self, spec: SlotSpec) -> SlotSpec {
