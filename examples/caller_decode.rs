@@ -241,13 +241,19 @@ fn double_buffered<T>(
 }
 
 fn arena_arm(engine: &Engine, plan: &Plan<'_>, spec: &SynthSpec) -> Result<Vec<Duration>> {
-    let arena = engine.packed_arena(2 * plan.placed_bytes(engine)? + (1 << 20), true)?;
+    // Two steps in flight (double buffering), sized by the arena's rule.
+    let largest = plan
+        .steps
+        .iter()
+        .max_by_key(|s| s.iter().map(|t| t.len).sum::<u64>())
+        .ok_or("no steps")?;
+    let arena = engine.packed_arena_for(largest, 2, true)?;
     double_buffered(
         plan,
         |k, _| {
             let mut reads = Vec::new();
             for t in &plan.steps[k] {
-                reads.push((*t, arena.take_for(t).ok_or("the arena holds two steps")?));
+                reads.push((*t, arena.take_for(t)?));
             }
             Ok(engine.read_batch(reads)?)
         },

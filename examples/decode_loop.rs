@@ -10,7 +10,7 @@
 
 use std::time::Instant;
 
-use weightstream::{Engine, EngineConfig, Expert, ExpertLayer, Model, ModelConfig};
+use weightstream::{Engine, EngineConfig, Expert, ExpertLayer, Model, ModelConfig, TensorRef};
 use weightstream_synth::{self as synth, SynthSpec};
 
 /// Experts the router picks per layer and step.
@@ -43,19 +43,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let layers: Vec<&ExpertLayer> = experts.layers().collect();
     let per_layer = layers.iter().map(|l| l.expert_count()).min().unwrap_or(0);
 
-    // One registered arena for one step's reads (every size from it).
-    let room = |e: &Expert| -> usize {
-        e.tensors()
-            .map(|t| (t.len as usize + 2 * 4096).next_multiple_of(4096))
-            .sum()
-    };
-    let largest = |l: &ExpertLayer| {
-        let mut sizes: Vec<usize> = l.experts().map(room).collect();
-        sizes.sort_unstable_by(|a, b| b.cmp(a));
-        sizes.iter().take(TOP_K).sum::<usize>() + l.shared().iter().map(room).sum::<usize>()
-    };
-    let step_bytes: usize = layers.iter().map(|l| largest(l)).sum();
-    let arena = engine.packed_arena(step_bytes * 2, true)?;
+    // One registered arena for one step's reads (every size from it),
+    // sized by the arena's own rule: the largest step (each layer's TOP_K
+    // largest experts and its shared ones), one step out at a time (each
+    // step's slots are back before the next takes its own).
+    let mut largest_step: Vec<&TensorRef> = Vec::new();
+    for l in &layers {
+        let mut by_bytes: Vec<&Expert> = l.experts().collect();
+        by_bytes.sort_by_key(|e| std::cmp::Reverse(e.bytes()));
+        for e in by_bytes.into_iter().take(TOP_K).chain(l.shared().iter()) {
+            largest_step.extend(e.tensors());
+        }
+    }
+    let arena = engine.packed_arena_for(&largest_step, 1, true)?;
 
     let (mut rng, mut bytes, t0) = (0x9e37_79b9_7f4a_7c15u64, 0u64, Instant::now());
     for step in 0..steps {
@@ -79,7 +79,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .chain(layer.shared().iter().map(Ok));
             for expert in active {
                 for t in expert?.tensors() {
-                    let slot = arena.take_for(t).ok_or("the arena holds one step")?;
+                    let slot = arena.take_for(t)?; // a TakeError says why not
                     reads.push((t, slot));
                 }
             }

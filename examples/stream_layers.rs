@@ -84,7 +84,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let t0 = std::time::Instant::now();
     for t in &order {
         let slot = loop {
-            if let Some(s) = arena.take() {
+            if let Ok(s) = arena.take() {
                 break s;
             }
             let (name, ticket): (&String, weightstream::Ticket) = pending.pop_front().expect("a read is pending");

@@ -88,6 +88,141 @@ pub enum HeaderError {
     },
 }
 
+/// Why an arena handed out no slot ([`Arena::take`](crate::Arena::take),
+/// [`Arena::take_sized`](crate::Arena::take_sized),
+/// [`Arena::take_for`](crate::Arena::take_for)). Every message names the
+/// numbers and what to do; `?` turns it into [`Error::Take`].
+///
+/// Byte counts are the arena's: `need` is the slot's bytes as the arena
+/// carves them (scratch + payload, rounded to the page).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum TakeError {
+    /// Fewer bytes are free than the slot needs: slots still out hold the
+    /// rest (a fixed arena: every slot is out). Return some first, or make
+    /// the arena larger.
+    Full {
+        /// Bytes the slot needs.
+        need: usize,
+        /// Bytes free right now.
+        free: usize,
+        /// Bytes of the whole arena.
+        bytes: usize,
+    },
+    /// Enough bytes are free, but no free extent (hole) holds the slot: the
+    /// free bytes are scattered between slots still out (or, in an arena
+    /// over 1 GiB, a hole large enough crosses a registration piece, which
+    /// a slot of at most a piece may not).
+    Fragmented {
+        /// Bytes the slot needs.
+        need: usize,
+        /// Bytes free right now, in all holes together.
+        free: usize,
+        /// The largest hole: the longest run of free pages.
+        largest: usize,
+        /// Bytes of the whole arena.
+        bytes: usize,
+    },
+    /// No slot of this arena can ever hold it, however many come back.
+    NeverFits {
+        /// What does not fit: `bytes` (the slot is larger than a packed
+        /// arena), or the field of the asked [`SlotSpec`](crate::SlotSpec)
+        /// a fixed arena's slots do not meet: `capacity`, `align` or
+        /// `tail_room`.
+        field: &'static str,
+        /// What the slot needs (for `tail_room`: 1, tail room asked).
+        need: usize,
+        /// What the arena has (for `tail_room`: 0, its slots have none).
+        have: usize,
+    },
+    /// [`Arena::take`](crate::Arena::take) on a packed arena, whose slots
+    /// have no size of their own.
+    WrongKind,
+    /// Asked in a process forked from the one that made the arena: its
+    /// pages and lock exist only in the parent.
+    Forked {
+        /// The process that made the arena.
+        parent: u32,
+        /// This process.
+        child: u32,
+    },
+    /// The asked slot cannot exist at all (a spec that
+    /// [`SlotSpec::validate`](crate::SlotSpec::validate) refuses, or a
+    /// tensor whose slot size overflows): why.
+    Invalid {
+        /// What is wrong, with its numbers.
+        reason: String,
+    },
+}
+
+impl std::fmt::Display for TakeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TakeError::Full { need, free, bytes } => write!(
+                f,
+                "arena full: a slot of {need} bytes does not fit in the {free} bytes free (of {bytes}); \
+                 the rest is held by slots still out: drop them (or Arena::give_back) before taking more, \
+                 or make the arena larger (for a loop with batches in flight: Arena::packed_bytes_for)"
+            ),
+            TakeError::Fragmented {
+                need,
+                free,
+                largest,
+                bytes,
+            } => {
+                write!(
+                    f,
+                    "arena fragmented: {free} bytes are free (of {bytes}), enough for a slot of {need} bytes, \
+                     but in holes between slots still out (the largest: {largest} bytes)"
+                )?;
+                if largest >= need {
+                    write!(
+                        f,
+                        " (the holes that large cross a 1 GiB registration piece, which a slot of at most a piece may not)"
+                    )?;
+                }
+                write!(
+                    f,
+                    "; return slots in the order they were taken (whole batches, oldest first: next fit then \
+                     reuses the arena as a ring), size it with Arena::packed_bytes_for, or return the slots \
+                     between the holes"
+                )
+            }
+            TakeError::NeverFits { field, need, have } => match *field {
+                "bytes" => write!(
+                    f,
+                    "a slot of {need} bytes can never fit in this packed arena of {have} bytes: make the arena \
+                     at least {need} bytes (Arena::packed_bytes_for sizes one for a batch)"
+                ),
+                "tail_room" => write!(
+                    f,
+                    "the slot spec asks for tail room and this fixed arena's slots have none: no slot of it \
+                     ever fits; take from an arena made with SlotSpec::with_tail_room(true), or a packed arena"
+                ),
+                field => write!(
+                    f,
+                    "the slot spec's {field} ({need}) exceeds this fixed arena's slots' {field} ({have}): no \
+                     slot of it ever fits; take from an arena whose SlotSpec holds it, or a packed arena \
+                     (Arena::take_for, Arena::take_sized)"
+                ),
+            },
+            TakeError::WrongKind => write!(
+                f,
+                "Arena::take on a packed arena: its slots have no size of their own; use Arena::take_for(tensor) \
+                 (the smallest slot that reads it in place) or Arena::take_sized(spec)"
+            ),
+            TakeError::Forked { parent, child } => write!(
+                f,
+                "a slot asked of an arena in a forked child (pid {child}; the arena was made in pid {parent}): \
+                 its pages and lock exist only in the parent; make a new arena (or Engine) in the child"
+            ),
+            TakeError::Invalid { reason } => write!(f, "no such slot: {reason}"),
+        }
+    }
+}
+
+impl std::error::Error for TakeError {}
+
 /// The crate's error type.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -232,6 +367,10 @@ pub enum Error {
     /// A configuration value was refused.
     #[error("{0}")]
     Config(String),
+    /// An arena handed out no slot: why, with its numbers
+    /// ([`TakeError`]).
+    #[error(transparent)]
+    Take(#[from] TakeError),
     /// The kernel refused the memory for an arena: the bytes asked for,
     /// the limits in force, and what sets the size.
     #[error("{what}: mmap of {bytes} bytes refused: {source}; limits in force: {limits}; the size is set by {set_by}")]

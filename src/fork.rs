@@ -59,6 +59,11 @@ impl Origin {
         GENERATION.load(Relaxed) != self.generation
     }
 
+    /// The process the origin was taken in.
+    pub(crate) fn pid(&self) -> u32 {
+        self.pid
+    }
+
     /// An error naming both processes when called in a forked child.
     pub(crate) fn check(&self) -> Result<()> {
         if self.forked() {

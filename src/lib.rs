@@ -42,7 +42,7 @@
 //! let engine = Engine::new(&model, EngineConfig::default())?;
 //! let tensor = model.tensor("w")?;
 //! let arena = engine.arena(model.slot_spec_for_largest("")?, 4)?;
-//! let loaded = engine.read(tensor, arena.take().unwrap())?.wait()?;
+//! let loaded = engine.read(tensor, arena.take()?)?.wait()?; // or a TakeError: why no slot
 //! assert_eq!(loaded.len(), 5000);
 //! assert!(loaded.iter().enumerate().all(|(i, &b)| b == (i % 251) as u8));
 //! arena.give_back(loaded.into_slot());
@@ -89,7 +89,7 @@ pub use load::{
     LoadOptions, LoadProgress, LoadReport, LoadedModel, Order, TensorStream, TensorView, DEFAULT_LOAD_WINDOW,
     MAX_LOAD_ALIGN,
 };
-pub use memory::{dontfork_failures, hugepage_refusals, Arena, Slot, SlotSpec};
+pub use memory::{dontfork_failures, hugepage_refusals, Arena, Slot, SlotSpec, TakeError};
 pub use model::{CopyReport, FileVerdict, Model, VerifyReport};
 pub use place::{place, LayoutKind, PlaceConfig, PlaceReport};
 pub use plan::placement::Placement;

@@ -102,7 +102,7 @@ fn an_executor_thread_never_waits_inside_weightstream() {
             while next < order.len() || !inflight.is_empty() {
                 while inflight.len() < 8 && next < order.len() {
                     let t = order[next];
-                    let Some(slot) = arena.take_for(t) else { break };
+                    let Ok(slot) = arena.take_for(t) else { break };
                     next += 1;
                     let ticket = inside.measure(|| engine.read(t, slot).unwrap());
                     inflight.push_back((

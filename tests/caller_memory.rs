@@ -98,7 +98,7 @@ fn one_packed_arena_holds_every_tensor_of_every_size() {
             .map(|t| {
                 let slot = arena
                     .take_for(t)
-                    .unwrap_or_else(|| panic!("{backend:?}: no room for {}", t.name));
+                    .unwrap_or_else(|e| panic!("{backend:?}: no room for {}: {e}", t.name));
                 e.read(t, slot).unwrap()
             })
             .collect();

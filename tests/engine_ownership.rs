@@ -222,7 +222,7 @@ fn dropping_the_engine_waits_for_every_in_flight_read() {
 
 /// Like [`no_late_write`] for every slot of a many-slot arena at once.
 fn no_late_write_many(arena: &Arena) {
-    let mut slots: Vec<_> = std::iter::from_fn(|| arena.take()).collect();
+    let mut slots: Vec<_> = std::iter::from_fn(|| arena.take().ok()).collect();
     for s in &mut slots {
         s.as_bytes_mut().fill(SCRIBBLE);
     }

@@ -113,7 +113,7 @@ fn worker(engine: &Engine, arena: &Arena, tensors: &[TensorRef], seed: u64, thre
     while issued < READS_PER_THREAD || !held.is_empty() {
         let issue = issued < READS_PER_THREAD && held.len() < 3 && (held.is_empty() || rng.below(2) == 0);
         if issue {
-            if let Some(mut slot) = arena.take() {
+            if let Ok(mut slot) = arena.take() {
                 let i = rng.below(tensors.len());
                 slot.as_bytes_mut().fill(SCRIBBLE);
                 issued += 1;

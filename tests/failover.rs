@@ -108,7 +108,7 @@ fn read_all(engine: &Engine, model: &Model, seed: u64, what: &str) -> Vec<(Tenso
     let mut pending = std::collections::VecDeque::new();
     let mut next = tensors.into_iter();
     loop {
-        while let Some(slot) = arena.take() {
+        while let Ok(slot) = arena.take() {
             let Some(t) = next.next() else {
                 drop(slot);
                 break;

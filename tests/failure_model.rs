@@ -89,7 +89,7 @@ fn within<T: Send + 'static>(limit: Duration, what: &str, f: impl FnOnce() -> T 
 /// Fills `slot` with the scribble, waits, and says which bytes changed (a
 /// late kernel write into memory safe code owns).
 fn late_writes(arena: &Arena, wait: Duration) -> usize {
-    let mut slots: Vec<_> = std::iter::from_fn(|| arena.take()).collect();
+    let mut slots: Vec<_> = std::iter::from_fn(|| arena.take().ok()).collect();
     for s in &mut slots {
         s.as_bytes_mut().fill(SCRIBBLE);
     }

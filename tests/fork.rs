@@ -31,11 +31,14 @@ fn child(
     t: &weightstream::TensorRef,
     spec: SlotSpec,
 ) -> i32 {
-    // The parent's arena is not mapped here: no slot of it can be had.
-    if arena.take().is_some() {
-        return SLOT_IN_CHILD;
-    }
+    // The parent's arena is not mapped here: no slot of it can be had, and
+    // the refusal names both processes.
     let parent = std::os::unix::process::parent_id();
+    match arena.take() {
+        Err(weightstream::TakeError::Forked { parent: p, child: c }) if p == parent && c == std::process::id() => {}
+        Err(_) => return WRONG_ERROR,
+        Ok(_) => return SLOT_IN_CHILD,
+    }
     let forked =
         |e: &Error| matches!(e, Error::Forked { parent: p, child: c } if *p == parent && *c == std::process::id());
     match engine.arena(spec, 1) {
@@ -128,7 +131,7 @@ fn an_engine_in_a_forked_child_refuses_work_and_drops_cleanly() {
 fn ticket_done(engine: &Engine, model: &Model, t: &weightstream::TensorRef, arena: &weightstream::Arena) -> usize {
     let deadline = Instant::now() + Duration::from_secs(60); // a watchdog
     let slot = loop {
-        if let Some(s) = arena.take() {
+        if let Ok(s) = arena.take() {
             break s;
         }
         assert!(Instant::now() < deadline, "the parent's read never finished");
@@ -259,7 +262,9 @@ fn read_into_in_a_forked_child_is_refused_first_while_a_parent_thread_uses_the_a
                     code = 30;
                 } else if !forked(engine.read_into(&t, &own, 0, weightstream::Scratch::None)) {
                     code = 31;
-                } else if lent.take_sized(spec).is_some() || own.take_for(&t).is_some() {
+                } else if !matches!(lent.take_sized(spec), Err(weightstream::TakeError::Forked { parent: p, .. }) if p == parent)
+                    || !matches!(own.take_for(&t), Err(weightstream::TakeError::Forked { parent: p, .. }) if p == parent)
+                {
                     code = 32;
                 } else if lent.available() != 0 || !own.is_empty() {
                     code = 33;
@@ -350,7 +355,7 @@ fn stats_in_a_forked_child_takes_no_lock_a_parent_thread_may_have_held() {
         let (engine, arena, t, stop) = (&engine, &arena, &t, &stop);
         scope.spawn(move || {
             while !stop.load(Ordering::Relaxed) {
-                if let Some(s) = arena.take() {
+                if let Ok(s) = arena.take() {
                     let _ = engine.read(t, s).map(|tk| tk.wait());
                 }
             }

@@ -49,7 +49,7 @@ fn stream_layers(primary: &Path, seed: u64) -> (u64, f64) {
     };
     for t in order {
         let slot = loop {
-            if let Some(s) = arena.take() {
+            if let Ok(s) = arena.take() {
                 break s;
             }
             let (name, ticket) = pending.pop_front().expect("a read is pending");

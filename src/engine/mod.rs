@@ -121,14 +121,17 @@ pub struct DrivePlacement {
 /// # let dir = weightstream::__internal::doc_model("decode", &spec)?;
 /// let model = Model::open(ModelConfig::new(&dir))?;
 /// let engine = Engine::new(&model, EngineConfig::default())?;
-/// let arena = engine.packed_arena(1 << 20, true)?;
+/// // Room for one step's two experts at a time (each step's slots are back
+/// // before the next takes its own), sized by the arena's own rule.
+/// let two = [model.tensor("layers.0.experts.0.w")?, model.tensor("layers.0.experts.1.w")?];
+/// let arena = engine.packed_arena_for(&two, 1, true)?;
 /// for step in 0..4 {
 ///     // The router's choice for this step: two experts.
 ///     let chosen = [step % 8, (step + 3) % 8];
 ///     let mut reads = Vec::new();
 ///     for e in chosen {
 ///         let t = model.tensor(&format!("layers.0.experts.{e}.w"))?;
-///         reads.push((t, arena.take_for(t).expect("room for one step")));
+///         reads.push((t, arena.take_for(t)?)); // a TakeError says why not
 ///     }
 ///     for ticket in engine.read_batch(reads)? {
 ///         let expert = ticket.wait()?;
@@ -269,7 +272,7 @@ impl Engine {
     }
 
     /// A packed arena of `bytes` (slots of any size taken with
-    /// [`Arena::take_for`] or [`Arena::take_sized`], first fit), registered
+    /// [`Arena::take_for`] or [`Arena::take_sized`], next fit), registered
     /// with every ring like [`Engine::arena`]: one arena for a model's
     /// tensors of every size. `populate` faults the pages in now; without
     /// it each page is faulted by the first read into it (the read then
@@ -279,6 +282,30 @@ impl Engine {
         let arena = Arena::packed(bytes, self.model.required_align(), populate)?;
         self.maybe_register(&arena);
         Ok(arena)
+    }
+
+    /// A packed arena sized for a loop over batches
+    /// ([`Arena::packed_bytes_for`] with the model's `required_align()`):
+    /// each step takes a slot per tensor of its batch ([`Arena::take_for`])
+    /// and returns the oldest batch's slots once `in_flight` batches are
+    /// out; `batch` is the largest batch a step reads. Such a loop never
+    /// gets a [`TakeError`](crate::TakeError) from it. Registered and
+    /// populated as [`Engine::packed_arena`].
+    ///
+    /// # Errors
+    /// [`Error::Forked`](crate::Error::Forked) in a forked child; what
+    /// [`Arena::packed_bytes_for`] refuses (an empty batch, `in_flight`
+    /// 0); what [`Engine::packed_arena`] does (the kernel refusing the
+    /// memory).
+    pub fn packed_arena_for(&self, batch: &[&TensorRef], in_flight: usize, populate: bool) -> Result<Arena> {
+        self.origin.check()?;
+        let bytes = Arena::packed_bytes_for(batch, in_flight, self.model.required_align())?;
+        self.packed_arena(bytes, populate).map_err(|e| {
+            e.size_set_by(format!(
+                "Engine::packed_arena_for ({in_flight} batches of {} tensors in flight)",
+                batch.len()
+            ))
+        })
     }
 
     fn engine_spec(&self, spec: SlotSpec) -> SlotSpec {

@@ -26,7 +26,7 @@ pub(crate) fn timed_read(drives: &[Vec<&File>], bs: usize, qd: usize, bytes_per_
         return Ok(0.0);
     }
     let arena = Arena::new(SlotSpec::new(bs), total_slots).map_err(std::io::Error::other)?;
-    let mut slots: Vec<_> = std::iter::from_fn(|| arena.take()).collect();
+    let mut slots: Vec<_> = std::iter::from_fn(|| arena.take().ok()).collect();
     let mut ring = IoUring::new((total_slots as u32).next_power_of_two())?;
     // Per drive: (file index, offset in it, bytes issued).
     let mut cursor: Vec<(usize, u64, u64)> = vec![(0, 0, 0); drives.len()];

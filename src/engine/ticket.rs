@@ -65,8 +65,9 @@ impl Meta {
 /// let total = rt.block_on(async {
 ///     let a = model.tensor("a")?;
 ///     let b = model.tensor("b")?;
-///     let ta = engine.read(a, arena.take_for(a).unwrap())?; // returns at once
-///     let tb = engine.read(b, arena.take_for(b).unwrap())?;
+///     // A TakeError becomes a weightstream::Error through `?`.
+///     let ta = engine.read(a, arena.take_for(a)?)?; // returns at once
+///     let tb = engine.read(b, arena.take_for(b)?)?;
 ///     Ok::<_, weightstream::Error>(ta.await?.len() + tb.await?.len())
 /// })?;
 /// assert_eq!(total, 16_000);
@@ -221,7 +222,7 @@ impl Drop for Ticket {
 /// let engine = Engine::new(&model, EngineConfig::default())?;
 /// let arena = engine.packed_arena(1 << 20, false)?;
 /// let w = model.tensor("w")?;
-/// let loaded = engine.read(w, arena.take_for(w).unwrap())?.wait()?;
+/// let loaded = engine.read(w, arena.take_for(w)?)?.wait()?;
 /// assert_eq!((loaded.name(), loaded.dtype(), loaded.shape()), ("w", Dtype::F32, &[1024][..]));
 /// // Checked: the dtype is F32, the length a multiple of 4, the address 4-aligned.
 /// let values: &[f32] = loaded.as_slice()?;

@@ -16,7 +16,7 @@ use crate::memory::Arena;
 /// at most `budget` bytes ([`Engine::stream`]). Each item is a [`Loaded`]
 /// (name, dtype, shape, payload) that holds its part of the budget until
 /// it is dropped; a read starts when a tensor's slot fits in the free part
-/// (first fit, in order: a large tensor waits for room rather than being
+/// (next fit, in order: a large tensor waits for room rather than being
 /// passed by smaller ones).
 ///
 /// An `Iterator` (blocking the calling thread while nothing has landed)
@@ -162,7 +162,7 @@ impl TensorStream<'_> {
     /// fits. A refused read is the error (that tensor is dropped).
     fn fill(&mut self) -> Result<()> {
         while let Some(t) = self.queue.front() {
-            let Some(slot) = self.arena.take_for(t) else {
+            let Ok(slot) = self.arena.take_for(t) else {
                 break;
             };
             let t = self.queue.pop_front().expect("a front tensor");

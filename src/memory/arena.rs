@@ -23,8 +23,8 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::error::{Error, Result};
-use crate::memory::carve::Extents;
+use crate::error::{Error, Result, TakeError};
+use crate::memory::carve::{ring_bytes, Extents};
 use crate::memory::region::{page_size, Region};
 
 /// The shape of every slot in an arena.
@@ -151,7 +151,7 @@ enum Carve {
         count: usize,
         free: Mutex<Vec<usize>>,
     },
-    /// Slots of any size: first fit over the free extents (none crossing a
+    /// Slots of any size: next fit over the free extents (none crossing a
     /// [`PIECE`], except a slot larger than a piece: it has no buffer index
     /// and reads unregistered), or at a place the caller names.
     Packed {
@@ -270,22 +270,27 @@ fn map(spec: SlotSpec, count: usize, populate: bool) -> Result<(Region, usize)> 
 /// A forked child cannot touch an arena: its pages are not mapped in the
 /// child (`MADV_DONTFORK`, so `fork()` neither copies them nor lets a child
 /// reach memory the kernel may be writing for the parent); in a child
-/// `take` returns `None` and touching a slot panics naming the cause. If
-/// the kernel refuses the advice the arena still works, but is copied on
-/// fork: warned once, and visible in [`Arena::fork_protected`] and
-/// [`dontfork_failures`](crate::dontfork_failures).
+/// every take is [`TakeError::Forked`] and touching a slot panics naming
+/// the cause. If the kernel refuses the advice the arena still works, but
+/// is copied on fork: warned once, and visible in [`Arena::fork_protected`]
+/// and [`dontfork_failures`](crate::dontfork_failures).
 ///
 /// ```
-/// use weightstream::{Arena, SlotSpec};
+/// use weightstream::{Arena, SlotSpec, TakeError};
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// // 8 MiB for slots of any size, 4096-byte O_DIRECT alignment, faulted in now.
 /// let arena = Arena::packed(8 << 20, 4096, true)?;
-/// let small = arena.take_sized(SlotSpec::new(10_000)).unwrap();
-/// let large = arena.take_sized(SlotSpec::new(3 << 20)).unwrap();
+/// let small = arena.take_sized(SlotSpec::new(10_000))?; // a TakeError says why not
+/// let large = arena.take_sized(SlotSpec::new(3 << 20))?;
 /// assert!(small.len() >= 10_000 && large.len() >= 3 << 20);
 /// assert_eq!(small.offset() % 4096, 0);
 /// drop(small); // its extent is free again (merged with free neighbours)
 /// assert!(arena.available() >= arena.bytes() - large.len());
+/// // Never room for 9 MiB, however many slots come back; and a packed
+/// // arena has no slot size of its own for `take`.
+/// let e = arena.take_sized(SlotSpec::new(9 << 20)).unwrap_err();
+/// assert!(matches!(e, TakeError::NeverFits { field: "bytes", .. }), "{e}");
+/// assert_eq!(arena.take().unwrap_err(), TakeError::WrongKind);
 /// # Ok(())
 /// # }
 /// ```
@@ -343,7 +348,10 @@ impl Arena {
 
     /// An arena of `bytes` (rounded up to the page) carved into slots of any
     /// size as they are taken ([`Arena::take_sized`], [`Arena::take_for`]),
-    /// first fit, each a multiple of the page; `align` is the scratch the
+    /// each a multiple of the page, next fit: each search starts where the
+    /// last slot taken ended and wraps once, so slots returned in the order
+    /// they were taken reuse the arena as a ring ([`Arena::packed_bytes_for`]
+    /// sizes one for a loop over batches); `align` is the scratch the
     /// slots it sizes itself reserve before a payload (a power of two, at
     /// least the files' O_DIRECT alignment). `populate` faults every page in
     /// now (else each is faulted by its first read).
@@ -476,67 +484,185 @@ impl Arena {
         }
     }
 
-    /// Takes a free slot of a fixed arena, or `None` when all are out (or in
-    /// a forked child, where no lock of the arena is taken and no slot
-    /// handed out, whatever memory it is over). A packed arena
-    /// has no slot size of its own: use [`Arena::take_sized`].
-    pub fn take(&self) -> Option<Slot> {
-        if self.map.in_child() {
-            return None;
-        }
+    /// Takes a free slot of a fixed arena.
+    ///
+    /// # Errors
+    /// - [`TakeError::Full`] when every slot is out (`free` 0, `need` the
+    ///   slot length).
+    /// - [`TakeError::WrongKind`] on a packed arena, which has no slot size
+    ///   of its own: use [`Arena::take_for`] or [`Arena::take_sized`].
+    /// - [`TakeError::Forked`] in a forked child, where no lock of the
+    ///   arena is taken and no slot handed out, whatever memory it is over.
+    pub fn take(&self) -> std::result::Result<Slot, TakeError> {
+        self.not_forked()?;
         match &self.map.carve {
             Carve::Fixed {
                 spec, slot_len, free, ..
             } => {
-                let index = lock(free).pop()?;
-                Some(self.slot_at(index * slot_len, *slot_len, *spec, false))
+                let index = lock(free).pop().ok_or(TakeError::Full {
+                    need: *slot_len,
+                    free: 0,
+                    bytes: self.bytes(),
+                })?;
+                Ok(self.slot_at(index * slot_len, *slot_len, *spec, false))
             }
-            Carve::Packed { .. } => None,
+            Carve::Packed { .. } => Err(TakeError::WrongKind),
         }
     }
 
-    /// A slot of `spec` from a packed arena (first fit), or `None` when no
-    /// free extent holds it. A fixed arena hands out its own slots if `spec`
-    /// fits them. An invalid spec is `None` (see [`SlotSpec::validate`]).
-    pub fn take_sized(&self, spec: SlotSpec) -> Option<Slot> {
-        if self.map.in_child() {
-            return None;
-        }
+    /// A slot of `spec`: from a packed arena, `spec.slot_len()` bytes
+    /// carved next fit (see [`Arena::packed`]); a fixed arena hands out one
+    /// of its own slots if `spec` fits them.
+    ///
+    /// # Errors
+    /// - [`TakeError::Invalid`] for a spec [`SlotSpec::validate`] refuses.
+    /// - [`TakeError::NeverFits`]: packed, the slot is larger than the
+    ///   whole arena (`field` "bytes"); fixed, the spec asks more than the
+    ///   arena's slots have (`field` "capacity", "align" or "tail_room").
+    /// - [`TakeError::Full`]: fewer bytes free than the slot needs (fixed:
+    ///   every slot is out).
+    /// - [`TakeError::Fragmented`]: packed, enough bytes free but no hole
+    ///   holds the slot (the largest hole named).
+    /// - [`TakeError::Forked`] in a forked child.
+    pub fn take_sized(&self, spec: SlotSpec) -> std::result::Result<Slot, TakeError> {
+        self.not_forked()?;
+        let want = spec
+            .slot_len()
+            .map_err(|e| TakeError::Invalid { reason: e.to_string() })?;
         match &self.map.carve {
             Carve::Fixed { spec: own, .. } => {
-                let fits =
-                    spec.capacity <= own.capacity && spec.align <= own.align && (!spec.tail_room || own.tail_room);
-                fits.then(|| self.take()).flatten()
+                let short = [
+                    ("capacity", spec.capacity, own.capacity),
+                    ("align", spec.align, own.align),
+                    ("tail_room", spec.tail_room.into(), own.tail_room.into()),
+                ]
+                .into_iter()
+                .find(|&(_, need, have)| need > have);
+                match short {
+                    Some((field, need, have)) => Err(TakeError::NeverFits { field, need, have }),
+                    None => self.take(),
+                }
             }
             Carve::Packed { extents, .. } => {
-                let want = spec.slot_len().ok()?;
-                let (offset, len) = lock(extents).take(want)?;
-                Some(self.slot_at(offset, len, spec, false))
+                let (offset, len) = carve(extents, want)?;
+                Ok(self.slot_at(offset, len, spec, false))
             }
         }
     }
 
     /// The smallest slot that holds `tensor` read in place: its payload's
     /// offset within an O_DIRECT block is known, so only that much scratch
-    /// is reserved before it (a fixed arena: one of its slots, if it fits).
-    pub fn take_for(&self, tensor: &crate::format::catalog::TensorRef) -> Option<Slot> {
-        if self.map.in_child() {
-            return None;
-        }
+    /// is reserved before it (`tensor.offset % align + tensor.len` bytes,
+    /// rounded to the page, carved next fit). A fixed arena: one of its
+    /// slots, if its capacity holds the payload.
+    ///
+    /// # Errors
+    /// - [`TakeError::Invalid`] when the tensor's length (or its slot)
+    ///   does not fit `usize`.
+    /// - [`TakeError::NeverFits`]: packed, the slot is larger than the
+    ///   whole arena; fixed, the payload exceeds the slots' capacity.
+    /// - [`TakeError::Full`]: fewer bytes free than the slot needs (fixed:
+    ///   every slot is out).
+    /// - [`TakeError::Fragmented`]: packed, enough bytes free but no hole
+    ///   holds the slot. Taking whole batches and returning the oldest
+    ///   batch first never fragments an arena of
+    ///   [`Arena::packed_bytes_for`] bytes.
+    /// - [`TakeError::Forked`] in a forked child.
+    pub fn take_for(&self, tensor: &crate::format::catalog::TensorRef) -> std::result::Result<Slot, TakeError> {
+        self.not_forked()?;
         let align = match &self.map.carve {
             Carve::Fixed { spec, .. } => spec.align,
             Carve::Packed { align, .. } => *align,
         };
-        let cap = usize::try_from(tensor.len).ok()?;
+        let cap = usize::try_from(tensor.len).map_err(|_| TakeError::Invalid {
+            reason: format!("tensor {}: {} bytes do not fit usize", tensor.name, tensor.len),
+        })?;
         let spec = SlotSpec::new(cap).with_align(align);
         match &self.map.carve {
             Carve::Fixed { .. } => self.take_sized(spec),
             Carve::Packed { extents, .. } => {
-                let want = in_place_bytes(tensor.offset, tensor.len, align)?;
-                let (offset, len) = lock(extents).take(want)?;
-                Some(self.slot_at(offset, len, spec, false))
+                let want = in_place_bytes(tensor.offset, tensor.len, align).ok_or_else(|| TakeError::Invalid {
+                    reason: format!(
+                        "tensor {}: {} bytes after {} of scratch overflow usize",
+                        tensor.name,
+                        tensor.len,
+                        tensor.offset % align as u64
+                    ),
+                })?;
+                let (offset, len) = carve(extents, want)?;
+                Ok(self.slot_at(offset, len, spec, false))
             }
         }
+    }
+
+    /// Bytes a packed arena needs so that a loop over batches never waits
+    /// for room nor fragments: each step takes one slot per tensor it reads
+    /// ([`Arena::take_for`]), and returns the oldest batch's slots once
+    /// `in_flight` batches are out (2: double buffering, one batch computed
+    /// from while the next loads). `batch` is the largest batch one step
+    /// reads: every step's tensors must match one for one some of
+    /// `batch`'s, each no longer than its match (for a mixture of experts:
+    /// the top-k experts of the layer with the largest ones). File offsets
+    /// do not matter: each tensor is counted at its worst phase (`align -
+    /// 1` bytes of scratch before it). `align` is the arena's (the model's
+    /// `required_align()`; [`Engine::packed_arena_for`](crate::Engine::packed_arena_for)
+    /// passes it).
+    ///
+    /// The figure: with `B` the bytes of `batch`'s slots and `L` its
+    /// largest slot (each rounded to the page `P`), `in_flight * B + (L -
+    /// P)`, plus `min(L, 1 GiB) - P` per 1 GiB boundary inside the arena.
+    /// Why it suffices: slots are carved next fit (each search starts where
+    /// the last slot ended), so slots returned oldest batch first free the
+    /// room just ahead of the search: the arena is a ring, and the only
+    /// bytes it ever leaves unused are a skip of less than one slot where
+    /// the ring wraps, and one before each 1 GiB boundary (no slot of at
+    /// most 1 GiB crosses one: each gigabyte is registered as one buffer).
+    /// When a slot of `n` bytes is taken, the slots out hold at most
+    /// `in_flight * B - n` bytes, so with those skips counted the room
+    /// ahead still holds it. The test `tests/packed_ring.rs` runs 10,000
+    /// generated steps in such an arena without a refusal, and shows the
+    /// figure is tight (one page less fails, as [`TakeError::Fragmented`]).
+    ///
+    /// A loop that returns slots in another order, or takes more than
+    /// `batch` per step, can still fragment the arena; the refusal then
+    /// says so, with its numbers.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when `batch` is empty, `in_flight` is 0, `align` is
+    /// not a power of two of at least 512, or the figure overflows
+    /// `isize::MAX`.
+    pub fn packed_bytes_for(
+        batch: &[&crate::format::catalog::TensorRef],
+        in_flight: usize,
+        align: usize,
+    ) -> Result<usize> {
+        SlotSpec::new(0).with_align(align).validate()?;
+        if batch.is_empty() || in_flight == 0 {
+            return Err(Error::Config(format!(
+                "Arena::packed_bytes_for: a batch of {} tensors, {in_flight} batches in flight: both must be at least 1",
+                batch.len()
+            )));
+        }
+        let page = page_size();
+        let too_large = || {
+            Error::Config(format!(
+                "Arena::packed_bytes_for: {in_flight} batches of {} tensors exceed isize::MAX bytes",
+                batch.len()
+            ))
+        };
+        let (mut total, mut largest) = (0usize, 0usize);
+        for t in batch {
+            let worst = usize::try_from(t.len)
+                .ok()
+                .and_then(|len| len.max(1).checked_add(align - 1))
+                .and_then(|b| round_up(b, page))
+                .ok_or_else(too_large)?;
+            total = total.checked_add(worst).ok_or_else(too_large)?;
+            largest = largest.max(worst);
+        }
+        ring_bytes(total, largest, in_flight, page, PIECE)
+            .filter(|&b| b <= isize::MAX as usize)
+            .ok_or_else(too_large)
     }
 
     /// A slot of a packed arena at exactly `[offset, offset + len)` (any
@@ -575,6 +701,18 @@ impl Arena {
     /// Whether this arena carves slots of any size (packed or lent memory).
     pub(crate) fn is_packed(&self) -> bool {
         matches!(self.map.carve, Carve::Packed { .. })
+    }
+
+    /// [`TakeError::Forked`] in a forked child of the process that made
+    /// the arena (nothing of it may be locked or handed out there).
+    fn not_forked(&self) -> std::result::Result<(), TakeError> {
+        if self.map.in_child() {
+            return Err(TakeError::Forked {
+                parent: self.map.origin.pid(),
+                child: std::process::id(),
+            });
+        }
+        Ok(())
     }
 
     /// The slot handle for `[offset, offset + len)` of this arena's
@@ -675,6 +813,12 @@ impl Arena {
     pub(crate) fn on_release(&self, f: impl FnOnce() + Send + 'static) {
         lock(&self.map.on_release).push(Box::new(f));
     }
+}
+
+/// `want` bytes of a packed arena's extents, or why not.
+fn carve(extents: &Mutex<Extents>, want: usize) -> std::result::Result<(usize, usize), TakeError> {
+    let mut e = lock(extents);
+    e.take(want).ok_or_else(|| e.refusal(want))
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -919,7 +1063,14 @@ mod tests {
         let s1 = a.take().unwrap();
         let s2 = a.take().unwrap();
         let s3 = a.take().unwrap();
-        assert!(a.take().is_none());
+        assert_eq!(
+            a.take().unwrap_err(),
+            TakeError::Full {
+                need: 16384,
+                free: 0,
+                bytes: 3 * 16384
+            }
+        );
         for s in [&s1, &s2, &s3] {
             assert_eq!(s.base() as usize % page_size(), 0);
         }
@@ -1048,7 +1199,7 @@ mod tests {
     #[test]
     fn slots_are_disjoint_and_writable_end_to_end() {
         let a = Arena::new(SlotSpec::new(5000).with_tail_room(true), 3).unwrap();
-        let mut slots: Vec<Slot> = std::iter::from_fn(|| a.take()).collect();
+        let mut slots: Vec<Slot> = std::iter::from_fn(|| a.take().ok()).collect();
         assert_eq!(slots.len(), 3);
         for (i, s) in slots.iter_mut().enumerate() {
             let b = s.as_bytes_mut();

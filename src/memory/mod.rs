@@ -7,6 +7,7 @@ pub(crate) mod carve;
 pub(crate) mod limits;
 pub(crate) mod region;
 
+pub use crate::error::TakeError;
 pub(crate) use arena::SlotRange;
 pub use arena::{Arena, Slot, SlotSpec};
 pub use region::{dontfork_failures, hugepage_refusals};

@@ -348,7 +348,7 @@ pub(crate) fn write_files(
             };
             let (to_writer, from_composer) = mpsc::sync_channel::<Msg>(DEPTH);
             let (back, returned) = mpsc::channel::<Slot>();
-            let slots: Vec<Slot> = std::iter::from_fn(|| arena.take()).collect();
+            let slots: Vec<Slot> = std::iter::from_fn(|| arena.take().ok()).collect();
             let (tx_c, tx_w) = (tx.clone(), tx.clone());
             let shared = &shared;
             std::thread::Builder::new()

@@ -681,7 +681,7 @@ fn engine_pipeline(
     let mut last_report = t0;
     for (i, t) in order.iter().enumerate() {
         let slot = loop {
-            if let Some(s) = arena.take() {
+            if let Ok(s) = arena.take() {
                 break s;
             }
             let (start, ticket): (Instant, weightstream::Ticket) =

@@ -431,7 +431,9 @@ fn warnings_child(dir: &Path) {
         before.iter().all(|w| w.kind != WarningKind::Memlock),
         "no memlock warning before any arena: {before:#?}"
     );
-    let arena = engine.arena(model.slot_spec_for_largest("").unwrap(), ARENA_SLOTS).unwrap();
+    let arena = engine
+        .arena(model.slot_spec_for_largest("").unwrap(), ARENA_SLOTS)
+        .unwrap();
     let t = &model.catalog().tensors()[0];
     let loaded = engine.read(t, arena.take().unwrap()).unwrap().wait().unwrap();
     assert_eq!(loaded.len() as u64, t.len);

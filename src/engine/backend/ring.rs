@@ -180,7 +180,7 @@ pub(crate) fn probe_submit(file: &ShardFile) -> std::io::Result<SubmitProbe> {
     }
     let spec = SlotSpec::new(len as usize).with_align(align as usize);
     let arena = Arena::new(spec, K as usize).map_err(std::io::Error::other)?;
-    let mut slots: Vec<_> = (0..K).filter_map(|_| arena.take()).collect();
+    let mut slots: Vec<_> = (0..K).filter_map(|_| arena.take().ok()).collect();
     let mut ring = IoUring::new(2 * K)?;
     // The pass kept so far, and whether it was clean.
     let mut probe: Option<(SubmitProbe, bool)> = None;

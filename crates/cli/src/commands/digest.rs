@@ -64,7 +64,7 @@ pub(crate) fn digest(
             let mut pending = std::collections::VecDeque::new();
             let mut next = chosen.iter();
             loop {
-                while let Some(slot) = arena.take() {
+                while let Ok(slot) = arena.take() {
                     let Some(t) = next.next() else {
                         drop(slot);
                         break;
