@@ -85,8 +85,8 @@ pub use format::container::{ShardHeader, TensorEntry, MAX_HEADER_LEN};
 pub use format::dtype::Dtype;
 pub use format::element::Element;
 pub use load::{
-    LoadOptions, LoadProgress, LoadReport, LoadedModel, Order, TensorStream, TensorView, DEFAULT_LOAD_WINDOW,
-    MAX_LOAD_ALIGN,
+    load, load_with, LoadOptions, LoadProgress, LoadReport, LoadedModel, Order, TensorStream, TensorView,
+    DEFAULT_LOAD_WINDOW, MAX_LOAD_ALIGN,
 };
 pub use memory::{dontfork_failures, hugepage_refusals, Arena, Slot, SlotSpec};
 pub use model::{CopyReport, FileVerdict, Model, VerifyReport};
