@@ -76,29 +76,24 @@ mod stats;
 mod storage;
 
 pub use config::{env, BackendChoice, DirectMode, EngineConfig, IoPoll, ModelConfig, RoutePolicy, SubmitMode, Weights};
-pub use engine::{
-    DrivePlacement, Engine, Fault, Lent, LentLoaded, LentTicket, Loaded, Scratch, ShutdownReport, Ticket,
-};
-pub use error::{escape, Error, HeaderError, Result};
-pub use format::catalog::{Catalog, ShardInfo, TensorRef, INDEX_FILE, MAX_INDEX_LEN};
-pub use format::container::{ShardHeader, TensorEntry, MAX_HEADER_LEN};
+pub use engine::{DrivePlacement, Engine, Lent, LentLoaded, LentTicket, Loaded, Scratch, ShutdownReport, Ticket};
+pub use error::{Error, HeaderError, Result};
+pub use format::catalog::{Catalog, ShardInfo, TensorRef};
+pub use format::container::{ShardHeader, TensorEntry};
 pub use format::dtype::Dtype;
 pub use format::element::Element;
 pub use load::{
     load, load_with, LoadOptions, LoadProgress, LoadReport, LoadedModel, Order, TensorStream, TensorView,
     DEFAULT_LOAD_WINDOW, MAX_LOAD_ALIGN,
 };
-pub use memory::{dontfork_failures, hugepage_refusals, Arena, Slot, SlotSpec};
+pub use memory::{Arena, Slot, SlotSpec};
 pub use model::{CopyReport, FileVerdict, Model, VerifyReport};
-pub use place::{place, LayoutKind, PlaceConfig, PlaceReport};
 pub use plan::placement::Placement;
 pub use stats::{DriveStats, FallbackCause, Feature, StagedStats, Stats, Warning, WarningKind, WarningLocation};
-pub use storage::files::{Change, Drive, FileIdentity, ShardFile};
+pub use storage::files::{Change, FileIdentity};
 #[cfg(feature = "numa")]
 pub use storage::numa::Hwloc;
 pub use storage::numa::{Locality, Provider, SingleNode, TopologyProvider};
-pub use storage::open::open_direct;
-pub use storage::topology::{AlignSource, FileTopology};
 
 /// Internals for the microbenchmarks, the fuzz targets and the tests that
 /// check the pure cores directly. **Not a stable API**: hidden from the
@@ -107,10 +102,37 @@ pub use storage::topology::{AlignSource, FileTopology};
 pub mod __internal {
     pub use crate::config::split_list;
     pub use crate::engine::internal::{cuts, hash_pick, stripe_pick, DriveLoad, Outcome, Request};
+    pub use crate::engine::Fault;
+    pub use crate::error::escape;
+    pub use crate::format::catalog::{INDEX_FILE, MAX_INDEX_LEN};
+    pub use crate::format::container::MAX_HEADER_LEN;
     pub use crate::memory::arena::round_up;
     pub use crate::plan::chunk::{count as chunk_count, on_result as chunk_on_result, split as chunk_split, Chunk};
     pub use crate::plan::window::{Window, WindowError};
+    pub use crate::storage::files::{Drive, ShardFile};
     pub use crate::storage::numa::bind_thread_described;
+    pub use crate::storage::open::open_direct;
+    pub use crate::storage::topology::{AlignSource, FileTopology};
+
+    /// The variables only the test suites, CI and the command's crash tests
+    /// read, and the one reader of the environment.
+    pub mod env {
+        pub use crate::config::env::knobs::*;
+
+        /// A variable of the environment, if set to anything but blanks
+        /// (the reader behind every `from_env`, and the command's flags'
+        /// fallback).
+        pub fn get(k: &str) -> Option<String> {
+            crate::config::env::get(k)
+        }
+    }
+
+    /// The layout index of a placed model (its format, its reader, its
+    /// file names), and the commit protocol's steps (the crash tests'
+    /// hook): for the command, the tests and the `layout_index` fuzz target.
+    pub mod place {
+        pub use crate::place::internal::*;
+    }
 
     /// Writes a one-shard model for the documentation's examples: a fresh
     /// directory under the system temporary directory (named by `tag`, the
