@@ -46,7 +46,7 @@ pub enum HeaderError {
     /// The header length is 0.
     #[error("header length is 0")]
     LengthZero,
-    /// The header length is over [`MAX_HEADER_LEN`](crate::MAX_HEADER_LEN).
+    /// The header length is over the limit (100 MB, as the reference reader).
     #[error("header length {len} exceeds the {max}-byte limit")]
     LengthTooLarge {
         /// The length read.

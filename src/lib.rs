@@ -1,29 +1,77 @@
 //! weightstream: stream model weights from `.safetensors` shards on NVMe
-//! straight into the memory slots an engine computes from.
+//! straight into the memory an engine computes from. io_uring and O_DIRECT
+//! land each payload in place (no page cache, no copy after the read), one
+//! ring per drive, every read spread over the copies of its shard. Linux
+//! only.
 //!
-//! The data flow, and the modules that own each step:
+//! # Which call for which job
 //!
-//! ```text
-//! config   -> what to open and how to read (builders, WEIGHTSTREAM_* table)
-//! storage  -> shard files opened (O_DIRECT + buffered), DIOALIGN, NUMA node
-//! format   -> one shard's header validated; the catalog (name -> range)
-//! model    -> Model::open: search path, proven mirrors, drives, verify
-//! memory   -> page-aligned arenas of slots the payload lands in
-//! plan     -> window, chunks, the direct/buffered decision (pure)
-//! engine   -> submit -> router -> lanes -> backend (ring | pread | sync)
-//!             -> completion -> ticket -> Loaded
-//! place    -> a model written across drives (mirror, split, layers)
-//!             behind a layout index that Model::open reads
-//! load     -> whole-model loads (LoadedModel) and streams (TensorStream)
+//! | the job | the calls | what comes back |
+//! |---|---|---|
+//! | **Load a whole model at start-up** | [`load`]`(dir)`, or [`load_with`]`(dir, &opts)`; with mirrors, your own settings or your engine: [`Engine::load_all`] with [`LoadOptions`] (which tensors, alignment, order, progress) | a [`LoadedModel`]: one mapping, a [`TensorView`] per name, each payload aligned for its dtype; its [`LoadReport`] and [`warnings`](LoadedModel::warnings) |
+//! | **Stream tensors towards a GPU** | [`Engine::stream`]`(tensors, budget)` -> [`TensorStream`] (an `Iterator`; a `futures_core::Stream` with the `futures` feature) | each tensor as a [`Loaded`] as soon as it lands, in a staging budget you set: copy it to the device, drop it, its memory takes the next read |
+//! | **Read experts step after step** | [`Engine::packed_arena`] once; each step [`Arena::take_for`] per chosen expert and one [`Engine::read_batch`] -> [`Ticket`]s (the decode loop: [`Engine`]). A layer's experts by number: [`Model::experts`] (`.layer(l)?.expert(e)?.tensors()`: exactly the expert's bytes; per-expert, shared and fused layouts); sized for `n` steps in flight: [`Engine::packed_arena_for`] | each expert as a [`Loaded`] in a slot of your arena, in place; dropping it frees the slot for the next step |
+//! | **Read into memory you own** | [`Engine::lend`] (a `&mut [u8]` for the length of a closure: safe; sized with [`Engine::placement_bytes`]) with [`Lent::placement`], [`Lent::read_into`] / [`Lent::read_anywhere`]; raw memory (a GPU runtime's pinned host buffer, a C engine's): `unsafe` [`Engine::register_memory`], then [`Engine::placement`], [`Engine::read_into`] / [`Engine::read_anywhere`] | payloads at your offsets. An address in phase with the file offset (as [`Engine::placement`] lays out) is read in place O_DIRECT; any other goes O_DIRECT through the engine's staging and one copy (see [`Engine::read_into`]; counted in [`Stats::staged`]) |
+//! | **Check a model on disk** | [`Model::verify`]`(digest)` -> [`VerifyReport`]; [`VerifyReport::compare_with`] a report saved before | every copy re-checked: the file's identity, its header, with `digest` every tensor's sha256; each [`Change`] named |
+//! | **See what cost speed** | [`Engine::warnings`], [`Model::warnings`], [`LoadedModel::warnings`]; `{}` of [`Stats`] ([`Engine::stats`]) | [`Warning`]s, worst first: what fell back (buffered reads, staging, the pread backend, memory not registered, NUMA), where, how often, the fix and the cost; empty when nothing did |
+//!
+//! Setting things up: [`Model::open`] with a [`ModelConfig`] (split
+//! directories, mirrors, read weights, route policy, O_DIRECT mode), then
+//! [`Engine::new`] with an [`EngineConfig`] (backend, queue depth, chunk
+//! size, polling, NUMA placement and its [`TopologyProvider`]). Both also
+//! come from the environment ([`ModelConfig::from_env`],
+//! [`EngineConfig::from_env`]; the variables are in [`env`](mod@env)).
+//! A model written across drives (mirror, split, one file per layer) is
+//! [`place::place`]'s job, and [`Model::open`] of its primary folder reads
+//! it back. Errors are one [`Error`] type naming the file or tensor, the
+//! operation and the cause.
+//!
+//! # Examples
+//!
+//! A whole model at start-up: one call, then the tensors by name.
+//!
+//! ```
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # use weightstream::Dtype;
+//! # let dir = weightstream::__internal::doc_model("front-load", &[("embed", Dtype::Bf16, 8192), ("norm", Dtype::F32, 64)])?;
+//! let model = weightstream::load(&dir)?;
+//! let embed = model.get("embed").expect("in the model");
+//! assert_eq!((embed.dtype(), embed.shape(), embed.len()), (Dtype::Bf16, &[4096][..], 8192));
+//! let norm: &[f32] = model.get("norm").unwrap().as_slice()?; // typed, aligned
+//! assert_eq!(norm.len(), 16);
+//! assert!(model.warnings().iter().all(|w| !w.to_string().is_empty()));
+//! # drop(model);
+//! # std::fs::remove_dir_all(&dir)?;
+//! # Ok(())
+//! # }
 //! ```
 //!
-//! Nothing below imports anything above it (`ci/layers` checks it). See
-//! `docs/architecture.md` for the contracts each module keeps.
+//! A decode step: the experts the router chose, read with one batch into
+//! one packed arena and used in place.
 //!
-//! # Example
+//! ```
+//! use weightstream::{Dtype, Engine, EngineConfig, Model, ModelConfig};
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # let spec: Vec<(String, Dtype, usize)> = (0..4).map(|e| (format!("layers.0.experts.{e}.w"), Dtype::Bf16, 12_000)).collect();
+//! # let spec: Vec<(&str, Dtype, usize)> = spec.iter().map(|(n, d, l)| (n.as_str(), *d, *l)).collect();
+//! # let dir = weightstream::__internal::doc_model("front-step", &spec)?;
+//! let model = Model::open(ModelConfig::new(&dir))?;
+//! let engine = Engine::new(&model, EngineConfig::default())?;
+//! let arena = engine.packed_arena(1 << 20, true)?;
+//! let chosen = [model.tensor("layers.0.experts.1.w")?, model.tensor("layers.0.experts.3.w")?];
+//! let reads = chosen.map(|t| (t, arena.take_for(t).expect("room for one step")));
+//! for ticket in engine.read_batch(reads)? {
+//!     let expert = ticket.wait()?;
+//!     assert_eq!(expert.len(), 12_000); // ... compute with &expert[..] ...
+//! } // each expert drops here: its slot takes the next step's reads
+//! # drop(engine);
+//! # std::fs::remove_dir_all(&dir)?;
+//! # Ok(())
+//! # }
+//! ```
 //!
-//! Open a model (here a one-shard model written by hand), start an engine,
-//! read a tensor into a slot of an arena, and use the payload in place:
+//! One tensor into a slot of an arena (here a one-shard model written by
+//! hand), the payload used in place:
 //!
 //! ```
 //! use weightstream::{Engine, EngineConfig, Model, ModelConfig};
@@ -52,9 +100,42 @@
 //! ```
 //!
 //! The same read without threads or rings: `model.read_sync(tensor, slot)`.
-//! Configuration also comes from the environment
-//! ([`ModelConfig::from_env`], [`EngineConfig::from_env`], the table in
-//! [`env`](mod@env)).
+//! More, each a program: `examples/` (a decode loop, whole-model loads and
+//! streams, tokio, caller memory, layers striped over drives).
+//!
+//! # Features
+//!
+//! `numa` (default): NUMA placement through hwloc (needs libhwloc-dev,
+//! libudev-dev, pkg-config); without it every drive's locality is unknown.
+//! `half`: typed views of F16 / BF16 as `half::f16` / `half::bf16`.
+//! `futures`: [`TensorStream`] as a `futures_core::Stream`. None pulls a
+//! runtime.
+//!
+//! # Inside
+//!
+//! The data flow, and the modules that own each step:
+//!
+//! ```text
+//! config   -> what to open and how to read (builders, WEIGHTSTREAM_* table)
+//! storage  -> shard files opened (O_DIRECT + buffered), DIOALIGN, NUMA node
+//! format   -> one shard's header validated; the catalog (name -> range)
+//! model    -> Model::open: search path, proven mirrors, drives, verify
+//! memory   -> page-aligned arenas of slots the payload lands in
+//! plan     -> window, chunks, the direct/buffered decision (pure)
+//! engine   -> submit -> router -> lanes -> backend (ring | pread | sync)
+//!             -> completion -> ticket -> Loaded
+//! place    -> a model written across drives (mirror, split, layers)
+//!             behind a layout index that Model::open reads
+//! load     -> whole-model loads (LoadedModel, load) and streams (TensorStream)
+//! ```
+//!
+//! Nothing below imports anything above it (`ci/layers` checks it). See
+//! `docs/architecture.md` for the contracts each module keeps.
+//!
+//! Everything public here is the API. The hidden `__internal` module (the
+//! command, the tests, the fuzz targets and the benches use it: test
+//! knobs, fault injection, the layout index, file-level helpers) is **not
+//! a stable API** and may change with any release.
 
 #![warn(missing_docs, unreachable_pub)]
 
@@ -76,30 +157,25 @@ mod stats;
 mod storage;
 
 pub use config::{env, BackendChoice, DirectMode, EngineConfig, IoPoll, ModelConfig, RoutePolicy, SubmitMode, Weights};
-pub use engine::{
-    DrivePlacement, Engine, Fault, Lent, LentLoaded, LentTicket, Loaded, Scratch, ShutdownReport, Ticket,
-};
-pub use error::{escape, Error, ExpertsError, HeaderError, Result, SUGGESTIONS};
-pub use format::catalog::{Catalog, ShardInfo, TensorRef, INDEX_FILE, MAX_INDEX_LEN};
-pub use format::container::{ShardHeader, TensorEntry, MAX_HEADER_LEN};
+pub use engine::{DrivePlacement, Engine, Lent, LentLoaded, LentTicket, Loaded, Scratch, ShutdownReport, Ticket};
+pub use error::{Error, ExpertsError, HeaderError, Result, SUGGESTIONS};
+pub use format::catalog::{Catalog, ShardInfo, TensorRef};
+pub use format::container::{ShardHeader, TensorEntry};
 pub use format::dtype::Dtype;
 pub use format::element::Element;
 pub use format::experts::{Expert, ExpertLayer, Experts, Projection, MAX_FUSED_EXPERTS};
 pub use load::{
-    LoadOptions, LoadProgress, LoadReport, LoadedModel, Order, TensorStream, TensorView, DEFAULT_LOAD_WINDOW,
-    MAX_LOAD_ALIGN,
+    load, load_with, LoadOptions, LoadProgress, LoadReport, LoadedModel, Order, TensorStream, TensorView,
+    DEFAULT_LOAD_WINDOW, MAX_LOAD_ALIGN,
 };
-pub use memory::{dontfork_failures, hugepage_refusals, Arena, Slot, SlotSpec, TakeError};
+pub use memory::{Arena, Slot, SlotSpec, TakeError};
 pub use model::{CopyReport, FileVerdict, Model, VerifyReport};
-pub use place::{place, LayoutKind, PlaceConfig, PlaceReport};
 pub use plan::placement::Placement;
 pub use stats::{DriveStats, FallbackCause, Feature, StagedStats, Stats, Warning, WarningKind, WarningLocation};
-pub use storage::files::{Change, Drive, FileIdentity, ShardFile};
+pub use storage::files::{Change, FileIdentity};
 #[cfg(feature = "numa")]
 pub use storage::numa::Hwloc;
 pub use storage::numa::{Locality, Provider, SingleNode, TopologyProvider};
-pub use storage::open::open_direct;
-pub use storage::topology::{AlignSource, FileTopology};
 
 /// Internals for the microbenchmarks, the fuzz targets and the tests that
 /// check the pure cores directly. **Not a stable API**: hidden from the
@@ -108,10 +184,37 @@ pub use storage::topology::{AlignSource, FileTopology};
 pub mod __internal {
     pub use crate::config::split_list;
     pub use crate::engine::internal::{cuts, hash_pick, stripe_pick, DriveLoad, Outcome, Request};
+    pub use crate::engine::Fault;
+    pub use crate::error::escape;
+    pub use crate::format::catalog::{INDEX_FILE, MAX_INDEX_LEN};
+    pub use crate::format::container::MAX_HEADER_LEN;
     pub use crate::memory::arena::round_up;
     pub use crate::plan::chunk::{count as chunk_count, on_result as chunk_on_result, split as chunk_split, Chunk};
     pub use crate::plan::window::{Window, WindowError};
+    pub use crate::storage::files::{Drive, ShardFile};
     pub use crate::storage::numa::bind_thread_described;
+    pub use crate::storage::open::open_direct;
+    pub use crate::storage::topology::{AlignSource, FileTopology};
+
+    /// The variables only the test suites, CI and the command's crash tests
+    /// read, and the one reader of the environment.
+    pub mod env {
+        pub use crate::config::env::knobs::*;
+
+        /// A variable of the environment, if set to anything but blanks
+        /// (the reader behind every `from_env`, and the command's flags'
+        /// fallback).
+        pub fn get(k: &str) -> Option<String> {
+            crate::config::env::get(k)
+        }
+    }
+
+    /// The layout index of a placed model (its format, its reader, its
+    /// file names), and the commit protocol's steps (the crash tests'
+    /// hook): for the command, the tests and the `layout_index` fuzz target.
+    pub mod place {
+        pub use crate::place::internal::*;
+    }
 
     /// Writes a one-shard model for the documentation's examples: a fresh
     /// directory under the system temporary directory (named by `tag`, the

@@ -276,7 +276,7 @@ pub struct Stats {
     /// Reads into caller memory staged and copied (engines only).
     pub staged: StagedStats,
     /// Arena mappings of this process whose `madvise(MADV_HUGEPAGE)` was
-    /// refused (4 KiB pages; see [`hugepage_refusals`](crate::hugepage_refusals)).
+    /// refused (4 KiB pages; see [`Arena::huge_page_bytes`](crate::Arena::huge_page_bytes)).
     pub arena_hugepage_refusals: u64,
     /// Every fallback that costs speed, worst first (empty when nothing fell
     /// back): what [`Engine::warnings`](crate::Engine::warnings) and

@@ -20,7 +20,7 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
 use common::SimDrives;
-use weightstream::Fault;
+use weightstream::__internal::Fault;
 use weightstream::{
     Arena, BackendChoice, Engine, EngineConfig, Error, IoPoll, Model, ModelConfig, SlotSpec, TensorRef,
 };

@@ -10,7 +10,7 @@ mod common;
 use std::time::Duration;
 
 use common::SimDrives;
-use weightstream::Fault;
+use weightstream::__internal::Fault;
 use weightstream::{BackendChoice, Engine, EngineConfig, Model, ModelConfig, SubmitMode};
 use weightstream_synth::{self as synth, SynthSpec};
 

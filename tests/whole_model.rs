@@ -462,3 +462,64 @@ fn load_handles_are_send_and_sync() {
     send::<weightstream::Ticket>();
     send::<weightstream::TensorStream<'static>>();
 }
+
+/// `weightstream::load(dir)` is the long path (`Model::open(ModelConfig::new(dir))`,
+/// `Engine::new(.., EngineConfig::default())`, `load_all(&LoadOptions::default())`)
+/// in one call: the same tensors, bytes, alignment and layout, with the
+/// engine gone before the first byte is looked at. `load_with` applies its
+/// options as `load_all` does. The warnings the engine had at the end are
+/// kept in the result (a placed payload read O_DIRECT through staging is one).
+#[test]
+fn load_is_the_long_path_in_one_call_and_needs_no_engine_after() {
+    let tmp = common::tempdir();
+    let dir = tmp.path().join("m");
+    let (model, sums) = reference_model(&dir);
+    let short = weightstream::load(&dir).unwrap();
+    // The engine is a temporary: it is dropped at the end of the statement.
+    let long = Engine::new(&model, EngineConfig::default())
+        .unwrap()
+        .load_all(&LoadOptions::default())
+        .unwrap();
+    assert_eq!(short.len(), model.catalog().tensors().len());
+    let names = |l: &weightstream::LoadedModel| -> Vec<String> { l.iter().map(|t| t.name().to_string()).collect() };
+    assert_eq!(names(&short), names(&long));
+    for t in model.catalog().tensors() {
+        let (s, l) = (short.get(&t.name).unwrap(), long.get(&t.name).unwrap());
+        assert_eq!(common::sha256_hex(s.bytes()), sums[&t.name], "{}", t.name);
+        assert_eq!((s.dtype(), s.shape(), s.len()), (l.dtype(), l.shape(), l.len()));
+        if t.len > 0 {
+            assert_eq!(s.bytes().as_ptr() as usize % element_size(t), 0, "{} aligned", t.name);
+        }
+    }
+    let (rs, rl) = (short.report(), long.report());
+    assert_eq!(
+        (rs.tensors, rs.bytes, rs.mapped_bytes, rs.in_place, rs.placed, rs.order),
+        (rl.tensors, rl.bytes, rl.mapped_bytes, rl.in_place, rl.placed, rl.order)
+    );
+    let staged = short
+        .warnings()
+        .iter()
+        .any(|w| w.kind == weightstream::WarningKind::Staged);
+    if common::fs_reads_o_direct(&dir) {
+        assert_eq!(staged, rs.placed > 0, "{:?}", short.warnings());
+    }
+
+    // A selection: the same as load_all with the same options.
+    let first = &model.catalog().tensors()[0].name;
+    let opts = LoadOptions::new().names_containing([first.clone()]).align(64);
+    let some = weightstream::load_with(&dir, &opts).unwrap();
+    let want = engine(&model, BackendChoice::Auto).load_all(&opts).unwrap();
+    assert_eq!(names(&some), names(&want));
+    assert!(some
+        .iter()
+        .all(|t| (t.bytes().as_ptr() as usize).is_multiple_of(64) || t.is_empty()));
+
+    // A directory that is no model is the error Model::open gives.
+    let none = tmp.path().join("none");
+    std::fs::create_dir(&none).unwrap();
+    let (a, b) = (
+        weightstream::load(&none).unwrap_err().to_string(),
+        Model::open(ModelConfig::new(&none)).unwrap_err().to_string(),
+    );
+    assert_eq!(a, b);
+}

@@ -12,7 +12,8 @@ use std::collections::{BTreeMap, HashSet};
 use std::path::Path;
 
 use libfuzzer_sys::fuzz_target;
-use weightstream::{ShardHeader, MAX_HEADER_LEN};
+use weightstream::ShardHeader;
+use weightstream::__internal::MAX_HEADER_LEN;
 
 const PATH: &str = "/fuzz/shard-00001.safetensors";
 

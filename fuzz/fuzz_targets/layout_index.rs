@@ -17,7 +17,7 @@ use std::path::{Component, Path};
 
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
-use weightstream::place::{folder_name, LayoutIndex};
+use weightstream::__internal::place::{folder_name, LayoutIndex};
 
 const PATHS: [&str; 10] = [
     "/", "/a", "/a/b", "/a/../b", "//a", "/a/", "/a/./b", "relative", "/etc", "/a\u{0}b",

@@ -1,8 +1,14 @@
-//! The one table of `WEIGHTSTREAM_*` variables: every name, who reads it and
-//! what it sets. [`ModelConfig::from_env`](crate::ModelConfig::from_env),
+//! The `WEIGHTSTREAM_*` variables a user sets: every name, who reads it and
+//! what it sets, in one table ([`ALL`]).
+//! [`ModelConfig::from_env`](crate::ModelConfig::from_env),
 //! [`EngineConfig::from_env`](crate::EngineConfig::from_env), the command's
 //! flags (each shadows its variable) and the tests (which run the command
 //! without them) all take the names from here.
+//!
+//! Nothing reads the environment behind a caller's back but the NUMA
+//! topology: an engine whose [`EngineConfig::numa_provider`](crate::EngineConfig::numa_provider)
+//! is left `None` takes [`NUMA`], [`NUMA_XML`] and [`NUMA_DEVICE_MAP`] from
+//! it. Every other variable applies only through a `from_env`.
 
 use std::path::Path;
 
@@ -17,7 +23,8 @@ pub enum Scope {
     Library,
     /// The `weightstream` command only.
     Command,
-    /// The test suites and CI scripts only.
+    /// The test suites and CI scripts only (not in [`ALL`]).
+    #[doc(hidden)]
     Tests,
 }
 
@@ -34,14 +41,17 @@ pub struct EnvVar {
 }
 
 macro_rules! vars {
-    ($($(#[$doc:meta])* $id:ident = $name:literal, $scope:ident, $meaning:literal;)*) => {
+    ($(#[$tdoc:meta])* $table:ident; $($(#[$doc:meta])* $id:ident = $name:literal, $scope:ident, $meaning:literal;)*) => {
         $( $(#[$doc])* pub const $id: &str = $name; )*
-        /// Every variable, in one table.
-        pub const ALL: &[EnvVar] = &[$(EnvVar { name: $name, scope: Scope::$scope, meaning: $meaning }),*];
+        $(#[$tdoc])*
+        pub const $table: &[EnvVar] = &[$(EnvVar { name: $name, scope: Scope::$scope, meaning: $meaning }),*];
     };
 }
 
 vars! {
+    /// Every variable a user sets (the library's and the command's), in
+    /// one table.
+    ALL;
     /// The primary model directory (required by `ModelConfig::from_env`).
     MODEL = "WEIGHTSTREAM_MODEL", Library, "the primary model directory";
     /// Split directories searched for shards after the primary.
@@ -76,20 +86,31 @@ vars! {
     NUMA_DEVICE_MAP = "WEIGHTSTREAM_NUMA_DEVICE_MAP", Library, "vda=nvme0n1,0:27=nvme1n1: this machine's devices as the XML topology's";
     /// The command's log filter.
     LOG = "WEIGHTSTREAM_LOG", Command, "log filter of the command (tracing-subscriber EnvFilter syntax)";
-    /// Tests only: `weightstream place` kills itself (`kill -9`) at a step
-    /// of the commit protocol.
-    PLACE_FAULT = "WEIGHTSTREAM_PLACE_FAULT", Command, "tests only: `place` kills itself (kill -9) at this step of the commit protocol (folders, file:K, parked, renamed:K, renamed, index-written, committed, cleaned)";
-    /// Tests: a missing Python reference fails instead of skipping.
-    REQUIRE_REFERENCE = "WEIGHTSTREAM_REQUIRE_REFERENCE", Tests, "1: a missing Python reference is a failure, not a skip";
-    /// Tests: where the simdrives script is.
-    SIMDRIVES = "WEIGHTSTREAM_SIMDRIVES", Tests, "path of the simdrives script for the drive tests";
-    /// CI: seconds per fuzz target.
-    FUZZ_SECONDS = "WEIGHTSTREAM_FUZZ_SECONDS", Tests, "seconds per fuzz target in ci/test (default 20)";
+}
+
+/// The variables of the test suites, CI and the command's crash tests
+/// (`weightstream::__internal::env`; not a stable API, not in [`ALL`]).
+pub(crate) mod knobs {
+    use super::{EnvVar, Scope};
+
+    vars! {
+        /// Every test, CI and crash-test variable, in one table.
+        TESTS;
+        /// Tests only: `weightstream place` kills itself (`kill -9`) at a step
+        /// of the commit protocol.
+        PLACE_FAULT = "WEIGHTSTREAM_PLACE_FAULT", Command, "tests only: `place` kills itself (kill -9) at this step of the commit protocol (folders, file:K, parked, renamed:K, renamed, index-written, committed, cleaned)";
+        /// Tests: a missing Python reference fails instead of skipping.
+        REQUIRE_REFERENCE = "WEIGHTSTREAM_REQUIRE_REFERENCE", Tests, "1: a missing Python reference is a failure, not a skip";
+        /// Tests: where the simdrives script is.
+        SIMDRIVES = "WEIGHTSTREAM_SIMDRIVES", Tests, "path of the simdrives script for the drive tests";
+        /// CI: seconds per fuzz target.
+        FUZZ_SECONDS = "WEIGHTSTREAM_FUZZ_SECONDS", Tests, "seconds per fuzz target in ci/test (default 20)";
+    }
 }
 
 /// A variable of the environment, if set to anything but blanks (the one
 /// reader behind every `from_env`).
-pub fn get(k: &str) -> Option<String> {
+pub(crate) fn get(k: &str) -> Option<String> {
     std::env::var(k).ok().filter(|v| !v.trim().is_empty())
 }
 
@@ -116,11 +137,14 @@ mod tests {
 
     #[test]
     fn every_name_is_listed_once_and_prefixed() {
-        let mut names: Vec<&str> = ALL.iter().map(|v| v.name).collect();
+        let mut names: Vec<&str> = ALL.iter().chain(knobs::TESTS).map(|v| v.name).collect();
         assert!(names.iter().all(|n| n.starts_with("WEIGHTSTREAM_")));
         names.sort_unstable();
         let n = names.len();
         names.dedup();
         assert_eq!(names.len(), n);
+        // The user's table holds no test variable; the tests' no library one.
+        assert!(ALL.iter().all(|v| v.scope != Scope::Tests));
+        assert!(knobs::TESTS.iter().all(|v| v.scope != Scope::Library));
     }
 }

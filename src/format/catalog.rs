@@ -30,7 +30,7 @@ pub struct ShardInfo {
     /// with `O_NOFOLLOW`).
     pub path: PathBuf,
     /// The file name as listed in its directory (any bytes: names are not
-    /// required to be UTF-8; show them with [`crate::escape`]).
+    /// required to be UTF-8; [`ShardInfo::describe`] shows them escaped).
     pub name: OsString,
     /// The path as listed (before resolving a link).
     pub listed: PathBuf,
@@ -163,7 +163,9 @@ pub struct Catalog {
 }
 
 impl Catalog {
-    /// Builds the catalog of `dir` from already opened and validated shards.
+    /// Builds the catalog of `dir` from already opened and validated shards
+    /// ([`Model::open`](crate::Model::open) does; not a stable API).
+    #[doc(hidden)]
     pub fn new(dir: &Path, shards: Vec<ShardInfo>) -> Result<Self> {
         let index = read_index(dir)?;
         // Every holder of every name first, so the index can pick any of them.

@@ -69,7 +69,9 @@ pub struct ShardHeader {
 }
 
 impl ShardHeader {
-    /// Reads and validates the header of an open shard.
+    /// Reads and validates the header of an open shard (the model's
+    /// opening does this; for the tests and tools, not a stable API).
+    #[doc(hidden)]
     pub fn read(path: &Path, file: &File) -> Result<Self> {
         let size = file.metadata().map_err(|e| Error::io(path, "fstat", e))?.len();
         let header_err = |cause| Error::Header {
@@ -90,7 +92,8 @@ impl ShardHeader {
 
     /// Validates a header already in memory: `raw` is the 8-byte length and
     /// the header bytes, `file_size` the size of the whole file. Pure; the
-    /// fuzz target drives it.
+    /// fuzz target drives it (not a stable API).
+    #[doc(hidden)]
     pub fn parse(path: &Path, raw: Vec<u8>, file_size: u64) -> Result<Self> {
         parse_raw(raw, file_size).map_err(|cause| Error::Header {
             path: path.to_path_buf(),

@@ -10,15 +10,22 @@
 //!   complete ([`TensorStream`], an `Iterator`, and a `futures_core::Stream`
 //!   with the `futures` feature), staged in a bounded packed arena.
 //!
+//! - [`load`] / [`load_with`]: the start-up case in one call (open the
+//!   model, start an engine, `load_all`, return the [`LoadedModel`]).
+//!
 //! Both wait on many tickets at once through `waitset` (each ticket's
 //! waker records which one completed).
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::config::{EngineConfig, ModelConfig};
+use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::format::catalog::{Catalog, TensorRef};
 use crate::format::dtype::Dtype;
+use crate::model::Model;
 
 mod layout;
 mod stream;
@@ -284,6 +291,75 @@ impl LoadOptions {
     fn align_of(&self, dtype: Dtype) -> usize {
         element_align(dtype).max(self.align).max(1)
     }
+}
+
+/// Loads every tensor of the model in `dir` into one mapping: the start-up
+/// load of a whole model in one call. Each payload is aligned for its
+/// dtype, read O_DIRECT in place where its file offset allows (else through
+/// staging and one copy), every drive busy. The same as
+/// [`load_with`]`(dir, &LoadOptions::default())`.
+///
+/// `dir` is a model directory (its `*.safetensors` shards, and the
+/// `model.safetensors.index.json` when there is one) or the primary folder
+/// of a placed model (`weightstream place`), opened with
+/// [`ModelConfig::new`]: no split directories, no mirrors, `adaptive`
+/// routing, O_DIRECT where the file system allows. The engine is
+/// [`EngineConfig::default`]. No `WEIGHTSTREAM_*` variable changes what is
+/// read or how (not [`ModelConfig::from_env`]: the directory is the one
+/// given, and a variable left in a shell cannot add mirrors or change the
+/// backend), except the NUMA topology, which every default engine takes
+/// from the environment (`WEIGHTSTREAM_NUMA`, `WEIGHTSTREAM_NUMA_XML`; see
+/// [`EngineConfig::numa_provider`]). For mirrors, split directories, other
+/// settings or the environment's: open the model and start the engine
+/// yourself, then [`Engine::load_all`].
+///
+/// The engine is gone when this returns: the [`LoadedModel`] owns its
+/// mapping and needs nothing else. What fell back on the way (reads that
+/// went buffered or through staging, the pread backend, ...) is in
+/// [`LoadedModel::warnings`].
+///
+/// ```
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// # use weightstream::Dtype;
+/// # let dir = weightstream::__internal::doc_model("load", &[("embed", Dtype::Bf16, 8192), ("head", Dtype::F32, 4000)])?;
+/// let model = weightstream::load(&dir)?;
+/// let embed = model.get("embed").expect("a tensor of the model");
+/// assert_eq!((embed.dtype(), embed.len()), (Dtype::Bf16, 8192));
+/// assert_eq!(model.get("head").unwrap().as_slice::<f32>()?.len(), 1000);
+/// for w in model.warnings() {
+///     eprintln!("warning: {w}");
+/// }
+/// # drop(model);
+/// # std::fs::remove_dir_all(&dir)?;
+/// # Ok(())
+/// # }
+/// ```
+pub fn load(dir: impl Into<PathBuf>) -> Result<LoadedModel> {
+    load_with(dir, &LoadOptions::default())
+}
+
+/// [`load`] with [`LoadOptions`]: which tensors, their alignment, the
+/// order, a progress callback. The model and the engine are opened as
+/// [`load`] opens them.
+///
+/// ```no_run
+/// use weightstream::LoadOptions;
+/// # fn main() -> weightstream::Result<()> {
+/// let opts = LoadOptions::new()
+///     .names_containing(["layers.0.", "embed_tokens"])
+///     .align(64)
+///     .progress(|p| eprintln!("{} of {} bytes", p.bytes, p.total_bytes));
+/// let first_layer = weightstream::load_with("/nvme0/qwen3-moe", &opts)?;
+/// println!("{} tensors, {:.2} GB/s", first_layer.len(), first_layer.report().gbps());
+/// # Ok(())
+/// # }
+/// ```
+pub fn load_with(dir: impl Into<PathBuf>, opts: &LoadOptions) -> Result<LoadedModel> {
+    let model = Model::open(ModelConfig::new(dir))?;
+    let engine = Engine::new(&model, EngineConfig::default())?;
+    // The engine drops on return, every read landed: the LoadedModel's
+    // slots keep the mapping alive, nothing of the engine.
+    engine.load_all(opts)
 }
 
 /// The alignment a dtype's elements need: its size in bytes (1 for

@@ -16,6 +16,7 @@ use crate::load::{LoadOptions, LoadProgress, Order};
 use crate::memory::arena::PIECE;
 use crate::memory::region::page_size;
 use crate::memory::{Arena, SlotSpec};
+use crate::stats::warning::Warning;
 
 /// How a whole-model load went: where the time went, and how each payload
 /// was read.
@@ -109,6 +110,8 @@ pub struct LoadedModel {
     /// Indices into `tensors` in the catalog's (name) order.
     in_name_order: Vec<usize>,
     report: LoadReport,
+    /// The engine's warnings when the load ended.
+    warnings: Vec<Warning>,
 }
 
 impl std::fmt::Debug for LoadedModel {
@@ -116,6 +119,7 @@ impl std::fmt::Debug for LoadedModel {
         f.debug_struct("LoadedModel")
             .field("tensors", &self.tensors.len())
             .field("report", &self.report)
+            .field("warnings", &self.warnings.len())
             .finish()
     }
 }
@@ -153,6 +157,15 @@ impl LoadedModel {
     /// How the load went: times, in-place and placed counts, the mapping.
     pub fn report(&self) -> &LoadReport {
         &self.report
+    }
+
+    /// What fell back, as the engine said when the load ended
+    /// ([`Engine::warnings`] then, worst first): reads buffered instead of
+    /// O_DIRECT, payloads copied from staging, the pread backend, memory
+    /// not registered, ... Empty when nothing did. Kept here because the
+    /// engine of [`load`](crate::load) is gone when it returns.
+    pub fn warnings(&self) -> &[Warning] {
+        &self.warnings
     }
 
     /// The tensors as owned results (each keeps the mapping alive), in the
@@ -355,6 +368,7 @@ impl Engine {
             tensors,
             by_name,
             in_name_order,
+            warnings: self.warnings(),
             report: LoadReport {
                 tensors: n,
                 bytes: total_bytes,

@@ -273,7 +273,7 @@ fn map(spec: SlotSpec, count: usize, populate: bool) -> Result<(Region, usize)> 
 /// every take is [`TakeError::Forked`] and touching a slot panics naming
 /// the cause. If the kernel refuses the advice the arena still works, but
 /// is copied on fork: warned once, and visible in [`Arena::fork_protected`]
-/// and [`dontfork_failures`](crate::dontfork_failures).
+/// and [`Stats::arena_dontfork_failures`](crate::Stats::arena_dontfork_failures).
 ///
 /// ```
 /// use weightstream::{Arena, SlotSpec, TakeError};

@@ -44,7 +44,7 @@ static HUGEPAGE_WARNED: AtomicBool = AtomicBool::new(false);
 /// kernel refused (they use 4 KiB pages; warned once). A kernel with
 /// transparent huge pages `never` accepts the advice and ignores it: see
 /// [`Arena::huge_page_bytes`](crate::Arena::huge_page_bytes) for what an arena really got.
-pub fn hugepage_refusals() -> u64 {
+pub(crate) fn hugepage_refusals() -> u64 {
     HUGEPAGE_REFUSALS.load(Ordering::Relaxed)
 }
 
@@ -55,7 +55,7 @@ static DONTFORK_WARNED: AtomicBool = AtomicBool::new(false);
 /// How many arena mappings of this process `fork()` would copy into a child
 /// because `madvise(MADV_DONTFORK)` failed on them (warned once, at the
 /// first). 0 when every arena is fork-protected.
-pub fn dontfork_failures() -> u64 {
+pub(crate) fn dontfork_failures() -> u64 {
     DONTFORK_FAILURES.load(Ordering::Relaxed)
 }
 

@@ -75,12 +75,19 @@ impl Model {
         &self.inner.catalog
     }
 
-    /// Every opened copy: primary copies first (file index = shard index), then mirror copies.
+    /// Every opened copy: primary copies first (file index = shard index),
+    /// then mirror copies. For the command's `inspect` and the tests (the
+    /// descriptors, the statx topology; not a stable API): the copies a
+    /// caller sees are [`Model::copy_report`].
+    #[doc(hidden)]
     pub fn files(&self) -> &[ShardFile] {
         &self.inner.files
     }
 
-    /// The volumes (one per `st_dev`) holding copies; a file's `drive` indexes this.
+    /// The volumes (one per `st_dev`) holding copies; a file's `drive`
+    /// indexes this. For the command and the tests (not a stable API): a
+    /// caller's view of the drives is [`Model::stats`]'s `drives`.
+    #[doc(hidden)]
     pub fn drives(&self) -> &[Drive] {
         &self.inner.drives
     }
@@ -90,7 +97,9 @@ impl Model {
         self.inner.direct
     }
 
-    /// Per shard: the file indices of its copies, primary first.
+    /// Per shard: the indices into `Model::files` of its copies, primary
+    /// first (for the command and the tests, like `files`).
+    #[doc(hidden)]
     pub fn copies(&self, shard: usize) -> &[usize] {
         &self.inner.copies[shard]
     }

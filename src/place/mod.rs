@@ -26,8 +26,9 @@
 //!   (reuse, space, park, rename, index, stale copies, orphans);
 //! - `verify` ([`verify()`]): every file re-checked against the index.
 //!
-//! The layout index format ([`LayoutIndex`], [`Placed`]) lives one layer
-//! down, in `model/placed.rs`, beside its reader:
+//! The layout index format (`weightstream-layout.json`: the roots, every
+//! file with its size and header hash) lives one layer down, in
+//! `model/placed.rs`, beside its reader:
 //! [`Model::open`](crate::Model::open) reads it, and `model` imports nothing from `place`
 //! (`ci/layers`).
 //!
@@ -46,13 +47,22 @@ mod source;
 mod verify;
 mod write;
 
-pub use crate::model::placed::{
-    FileDigests, FileKind, IndexExtra, IndexFile, IndexRoot, LayoutIndex, LayoutKind, OsName, Placed, INDEX_FILE,
-    MARKER_FILE, PARKED_FILE,
-};
-pub use plan::{layer_file, EXTRAS_FILE};
-pub use rules::folder_name;
+pub use crate::model::placed::LayoutKind;
 pub use verify::{verify, FileCheck, PlacedVerify};
+
+/// The layout index (its format, reader and file names), the folder and
+/// layer-file names, and the commit protocol's steps: for
+/// `crate::__internal::place` (the command, the tests, the `layout_index`
+/// fuzz target; not a stable API).
+pub(crate) mod internal {
+    pub use super::plan::{layer_file, EXTRAS_FILE};
+    pub use super::rules::folder_name;
+    pub use super::{Hook, Step};
+    pub use crate::model::placed::{
+        FileDigests, FileKind, IndexExtra, IndexFile, IndexRoot, LayoutIndex, OsName, Placed, INDEX_FILE, MARKER_FILE,
+        PARKED_FILE,
+    };
+}
 
 /// How far a placement has got (passed to the progress callback).
 #[derive(Debug, Clone, Copy)]
@@ -71,8 +81,9 @@ pub struct Progress {
 }
 
 /// A progress callback: called on the thread that called [`place`], about
-/// every 100 ms while files are written, and once at the end.
-pub type ProgressFn = Arc<dyn Fn(&Progress) + Send + Sync>;
+/// every 100 ms while files are written, and once at the end (set with
+/// [`PlaceConfig::on_progress`]).
+pub(crate) type ProgressFn = Arc<dyn Fn(&Progress) + Send + Sync>;
 
 /// A step of the commit protocol (for tests: a hook may stop the run at
 /// any of them, as a crash would).

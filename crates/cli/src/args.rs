@@ -9,7 +9,7 @@ use std::io::Read;
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-use weightstream::escape;
+use weightstream::__internal::escape;
 
 use crate::cli::parse_bytes;
 

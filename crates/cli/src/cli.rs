@@ -4,7 +4,8 @@
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use weightstream::{DirectMode, IoPoll, LayoutKind, RoutePolicy, SubmitMode, Weights};
+use weightstream::place::LayoutKind;
+use weightstream::{DirectMode, IoPoll, RoutePolicy, SubmitMode, Weights};
 
 use crate::args::{bytes_in, count, existing_file, load_align, non_empty_path, output_dir, output_file, seconds};
 use crate::bench::Arm;

@@ -23,7 +23,7 @@ impl LayoutArgs {
                 env::DIRECT if direct.is_some() => return None,
                 _ => &None,
             };
-            flag.clone().or_else(|| env::get(k))
+            flag.clone().or_else(|| weightstream::__internal::env::get(k))
         })?;
         let c = match &self.weights {
             Some(w) => c.weights(w.clone()),

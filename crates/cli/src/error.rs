@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use weightstream::escape;
+use weightstream::__internal::escape;
 
 /// Result alias of the command's tools.
 pub(crate) type Result<T, E = Error> = std::result::Result<T, E>;

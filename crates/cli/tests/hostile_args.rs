@@ -393,7 +393,7 @@ fn names_argument(msg: &str, a: &Arg, value: Option<&OsStr>) -> bool {
         return false;
     };
     let raw = String::from_utf8_lossy(v.as_bytes()).into_owned();
-    let escaped = weightstream::escape(v);
+    let escaped = weightstream::__internal::escape(v);
     [raw, escaped].iter().any(|v| {
         [format!("'{v}'"), format!("\"{v}\""), format!("{v:?}")]
             .iter()

@@ -220,11 +220,12 @@ fn index_over_the_size_cap_is_refused() {
     shard(&dir.join("a.safetensors"), "a", 100, 1);
     let index = dir.join("model.safetensors.index.json");
     let f = std::fs::File::create(&index).unwrap();
-    f.set_len(weightstream::MAX_INDEX_LEN + 1).unwrap(); // sparse
+    f.set_len(weightstream::__internal::MAX_INDEX_LEN + 1).unwrap(); // sparse
     let err = Model::open(ModelConfig::new(dir)).expect_err("refused");
     let msg = err.to_string();
     assert!(
-        msg.contains("model.safetensors.index.json") && msg.contains(&weightstream::MAX_INDEX_LEN.to_string()),
+        msg.contains("model.safetensors.index.json")
+            && msg.contains(&weightstream::__internal::MAX_INDEX_LEN.to_string()),
         "{msg}"
     );
 }

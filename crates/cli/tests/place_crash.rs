@@ -30,7 +30,8 @@ use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 
 use place_support::{digest, layered_spec, source_sums, temps, Bed};
-use weightstream::place::{self, LayoutKind, Placed, Step};
+use weightstream::__internal::place::{self as layout, Placed, Step};
+use weightstream::place::{self, LayoutKind};
 use weightstream::{Model, ModelConfig};
 
 fn os(s: &str) -> &OsStr {
@@ -77,7 +78,7 @@ fn repaired(r: &place::PlaceReport, new: &BTreeMap<String, String>) {
     assert_eq!(&digest(&r.primary, "sync"), new);
     for root in &r.roots {
         assert!(temps(&root.folder).is_empty(), "{:?}", temps(&root.folder));
-        assert!(!root.folder.join(place::PARKED_FILE).exists());
+        assert!(!root.folder.join(layout::PARKED_FILE).exists());
     }
     assert!(r.orphans.is_empty(), "{:?}", r.orphans);
     let out = common::run(&[os("verify"), r.primary.as_os_str(), os("--digest")]);
@@ -136,7 +137,7 @@ fn a_reshard_stopped_at_each_step_is_the_old_model_or_a_miss_or_the_new_one_and_
             assert!(e.contains("did not finish"), "{step}: {e}");
         }
         // Whatever an index names is there.
-        if primary.join(place::INDEX_FILE).exists() {
+        if primary.join(layout::INDEX_FILE).exists() {
             Placed::read(&primary).unwrap_or_else(|e| panic!("{step}: the index names a missing file: {e}"));
         }
         let r = place::place(&bed.config(&roots, LayoutKind::Layers)).unwrap();
@@ -169,7 +170,7 @@ fn a_first_placement_stopped_before_its_commit_is_a_miss() {
         let roots = bed.roots();
         let cfg = bed.config(&roots, LayoutKind::Split).fault_hook(move |s| *s == step);
         assert!(place::place(&cfg).is_err());
-        let primary = roots[0].join(place::folder_name(&std::fs::canonicalize(&bed.source).unwrap()));
+        let primary = roots[0].join(layout::folder_name(&std::fs::canonicalize(&bed.source).unwrap()));
         let e = Model::open(ModelConfig::new(&primary)).unwrap_err().to_string();
         assert!(e.contains("never committed"), "{step}: {e}");
         let r = place::place(&bed.config(&roots, LayoutKind::Split)).unwrap();

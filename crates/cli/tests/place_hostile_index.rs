@@ -23,7 +23,8 @@ use std::path::{Path, PathBuf};
 
 use place_support::{layered_spec, Bed};
 use serde_json::{json, Value};
-use weightstream::place::{self, folder_name, LayoutKind, PlaceReport, INDEX_FILE, MARKER_FILE};
+use weightstream::__internal::place::{folder_name, INDEX_FILE, MARKER_FILE};
+use weightstream::place::{self, LayoutKind, PlaceReport};
 use weightstream::{Model, ModelConfig};
 
 /// A model placed as a mirror on two roots (r0 on /dev/shm, r1 on the

@@ -33,7 +33,8 @@ use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 
 use place_support::{by_name, digest, layered_spec, ref_read, resident_pages, source_sums, Bed};
-use weightstream::place::{self, FileKind, LayoutKind, PlaceReport, Placed};
+use weightstream::__internal::place::{self as layout, FileKind, Placed};
+use weightstream::place::{self, LayoutKind, PlaceReport};
 use weightstream::{Model, ModelConfig};
 
 fn os(s: &str) -> &OsStr {
@@ -106,11 +107,11 @@ fn place_and_check(bed: &Bed, layout: LayoutKind, want: &BTreeMap<String, String
                     FileKind::Layer => {
                         let l = f.layer.unwrap();
                         assert_eq!(f.root as u64, l % 2, "{f:?}");
-                        assert_eq!(f.name.as_os_str(), place::layer_file(l));
+                        assert_eq!(f.name.as_os_str(), layout::layer_file(l));
                     }
                     FileKind::Extras => {
                         assert_eq!(f.root, 0);
-                        assert_eq!(f.name.as_os_str(), place::EXTRAS_FILE);
+                        assert_eq!(f.name.as_os_str(), layout::EXTRAS_FILE);
                     }
                     FileKind::Shard => panic!("a layers placement holds no source shard: {f:?}"),
                 }
@@ -214,9 +215,12 @@ fn every_layout_of_a_layered_model_reads_back_as_the_reference_on_every_backend(
         assert!(r.orphans.is_empty(), "{layout}: {:?}", r.orphans);
     }
     // The layer files' headers: the reference format, our parser's view.
-    let placed = Placed::read(&bed.shm.path().join("r0").join(weightstream::place::folder_name(
-        &std::fs::canonicalize(&bed.source).unwrap(),
-    )))
+    let placed = Placed::read(
+        &bed.shm
+            .path()
+            .join("r0")
+            .join(layout::folder_name(&std::fs::canonicalize(&bed.source).unwrap())),
+    )
     .unwrap()
     .unwrap();
     for f in &placed.index.files {
@@ -318,7 +322,7 @@ fn changed_roots_move_files_then_delete_the_stale_copies_and_a_new_primary_retir
     let swapped = place::place(&bed.config(&[c.clone(), a.clone()], LayoutKind::Split)).unwrap();
     assert_ne!(swapped.primary, moved.primary);
     assert!(
-        !moved.primary.join(weightstream::place::INDEX_FILE).exists(),
+        !moved.primary.join(layout::INDEX_FILE).exists(),
         "the old primary's index is retired"
     );
     assert!(swapped.orphans.is_empty(), "{:?}", swapped.orphans);
@@ -381,7 +385,7 @@ fn inspect_shows_the_layout_and_a_missing_file_is_named_not_read() {
 
     // A file the index names goes missing: a miss naming it, never a model
     // opened without it.
-    let gone = r.roots[1].folder.join(place::layer_file(3));
+    let gone = r.roots[1].folder.join(layout::layer_file(3));
     std::fs::remove_file(&gone).unwrap();
     let e = Model::open(ModelConfig::new(&r.primary)).unwrap_err().to_string();
     assert!(

@@ -19,7 +19,8 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 use place_support::{layered_spec, Bed};
-use weightstream::place::{self, folder_name, LayoutKind, PlaceConfig};
+use weightstream::__internal::place::{self as layout, folder_name};
+use weightstream::place::{self, LayoutKind, PlaceConfig};
 use weightstream::{Model, ModelConfig};
 
 fn os(s: &str) -> &OsStr {
@@ -324,8 +325,8 @@ fn readers_refuse_what_is_not_a_committed_placement() {
     );
     assert!(String::from_utf8_lossy(&out.stderr).contains("WEIGHTSTREAM_MIRROR"));
     // A parked index (a re-shard that did not finish).
-    let index = r.primary.join(place::INDEX_FILE);
-    let parked = r.primary.join(place::PARKED_FILE);
+    let index = r.primary.join(layout::INDEX_FILE);
+    let parked = r.primary.join(layout::PARKED_FILE);
     std::fs::rename(&index, &parked).unwrap();
     let e = Model::open(ModelConfig::new(&r.primary)).unwrap_err().to_string();
     assert!(

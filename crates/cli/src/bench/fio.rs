@@ -508,7 +508,11 @@ pub fn sweep(drives: &[Vec<PathBuf>], cfg: &FioSweep) -> Result<FioReport> {
             "fio reached no rate on {} ({} invocations): {}",
             drives
                 .iter()
-                .map(|f| f.iter().map(weightstream::escape).collect::<Vec<_>>().join(", "))
+                .map(|f| f
+                    .iter()
+                    .map(weightstream::__internal::escape)
+                    .collect::<Vec<_>>()
+                    .join(", "))
                 .collect::<Vec<_>>()
                 .join("; "),
             runs.len(),

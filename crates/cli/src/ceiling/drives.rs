@@ -4,7 +4,7 @@
 use std::fs::File;
 use std::path::PathBuf;
 
-use weightstream::open_direct;
+use weightstream::__internal::open_direct;
 
 use crate::error::{Error, Result};
 
@@ -24,7 +24,7 @@ pub(super) fn group(paths: &[PathBuf]) -> Result<Vec<Drive>> {
     let mut drives: Vec<(u64, Drive)> = Vec::new();
     for p in paths {
         let f = open_direct(p).map_err(|e| Error::io(p, "open(O_DIRECT)", e))?;
-        let t = weightstream::FileTopology::probe(p, &f).map_err(|e| Error::io(p, "statx", e))?;
+        let t = weightstream::__internal::FileTopology::probe(p, &f).map_err(|e| Error::io(p, "statx", e))?;
         let size = f.metadata().map_err(|e| Error::io(p, "fstat", e))?.len();
         // A file just written may still have dirty pages; the first O_DIRECT
         // read of them would write them back inside the timed region (seen:
@@ -53,7 +53,11 @@ pub(super) fn group(paths: &[PathBuf]) -> Result<Vec<Drive>> {
         return Err(Error::Config(format!(
             "ceiling: drive {}: its files hold no byte to read ({})",
             d.device,
-            d.files.iter().map(weightstream::escape).collect::<Vec<_>>().join(", ")
+            d.files
+                .iter()
+                .map(weightstream::__internal::escape)
+                .collect::<Vec<_>>()
+                .join(", ")
         )));
     }
     Ok(drives)

@@ -251,7 +251,10 @@ mod tests {
         };
         let plan = Plan::new(d, c.bs);
         if plan.len == 0 {
-            return Err(Error::Config(format!("{}: empty file", weightstream::escape(path))));
+            return Err(Error::Config(format!(
+                "{}: empty file",
+                weightstream::__internal::escape(path)
+            )));
         }
         let mut reader = Reader::new(d, c, true)?;
         let snap = || -> Vec<(u32, bool, f64)> {

@@ -40,7 +40,7 @@ pub(crate) fn bench_cmd(
     if matched == 0 {
         return Err(format!(
             "bench: --filter {filter:?}: no tensor name contains it (the model in {} has {} tensor(s))",
-            weightstream::escape(&dir),
+            weightstream::__internal::escape(&dir),
             model.catalog().tensors().len()
         )
         .into());
@@ -81,8 +81,12 @@ pub(crate) fn bench_cmd(
             "{} experts, concurrency {}, median of {} runs; ceiling {:.2} GB/s",
             r.tensors, r.concurrency, r.runs, r.ceiling_gbps
         );
-        std::fs::write(p, plot::bars_svg(&title, "GB/s", &bars, Some(r.ceiling_gbps)))
-            .map_err(|e| format!("bench: --plot {}: write the chart: {e}", weightstream::escape(p)))?;
+        std::fs::write(p, plot::bars_svg(&title, "GB/s", &bars, Some(r.ceiling_gbps))).map_err(|e| {
+            format!(
+                "bench: --plot {}: write the chart: {e}",
+                weightstream::__internal::escape(p)
+            )
+        })?;
     }
     if json {
         println!("{}", serde_json::to_string_pretty(&r)?);

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use weightstream::escape;
+use weightstream::__internal::escape;
 use weightstream_synth::{self as synth, SynthSpec};
 
 use crate::args::{memory_room, volume_room};
@@ -14,7 +14,7 @@ use crate::commands::CliResult;
 
 /// Tensors in one synthetic model, at most: each is a header entry of about
 /// 120 bytes, and one shard's header must stay well inside the library's
-/// [`weightstream::MAX_HEADER_LEN`].
+/// `weightstream::__internal::MAX_HEADER_LEN`.
 pub(crate) const MAX_TENSORS: u64 = 1 << 19;
 
 /// A model's shape, checked: counts within their bounds, every product

@@ -3,7 +3,8 @@
 use std::io::Write;
 use std::path::PathBuf;
 
-use weightstream::{escape, Engine, EngineConfig, Model};
+use weightstream::__internal::escape;
+use weightstream::{Engine, EngineConfig, Model};
 
 use crate::cli::{LayoutArgs, OnOff};
 use crate::commands::CliResult;
@@ -19,7 +20,7 @@ pub(crate) fn inspect(dir: PathBuf, layout: &LayoutArgs, numa: Option<OnOff>, js
     let provider = engine.as_ref().map(|e| e.numa_provider().name());
     let refused: Vec<_> = model.copy_report().iter().filter(|c| !c.accepted).collect();
     // A placed model: its layout and each file's root.
-    let placed = weightstream::place::Placed::read(&dir)?;
+    let placed = weightstream::__internal::place::Placed::read(&dir)?;
     if json {
         let cat = model.catalog();
         let placement = placed.as_ref().map(|p| {
@@ -102,7 +103,7 @@ fn placing_engine(model: &Model, numa: Option<OnOff>) -> Result<Option<Engine>, 
 /// under "copies".
 fn shards_json(model: &Model) -> Vec<serde_json::Value> {
     let cat = model.catalog();
-    let copy_json = |f: &weightstream::ShardFile| {
+    let copy_json = |f: &weightstream::__internal::ShardFile| {
         serde_json::json!({
             "path": escape(&f.path),
             "rank": f.rank,
@@ -137,7 +138,7 @@ fn shards_json(model: &Model) -> Vec<serde_json::Value> {
 }
 
 /// A placed model's layout: each root and the files on it.
-fn print_placement(out: &mut impl Write, i: &weightstream::place::LayoutIndex) -> std::io::Result<()> {
+fn print_placement(out: &mut impl Write, i: &weightstream::__internal::place::LayoutIndex) -> std::io::Result<()> {
     writeln!(
         out,
         "placed: {} layout over {} root(s), from {} (fingerprint {}...)",

@@ -14,7 +14,8 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use sha2::{Digest, Sha256};
-use weightstream::{escape, Engine, LoadOptions, Model, Order};
+use weightstream::__internal::escape;
+use weightstream::{Engine, LoadOptions, Model, Order};
 
 use crate::args::alloc_flags;
 

@@ -3,14 +3,15 @@
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 
-use weightstream::place::{self, PlaceConfig, Step};
-use weightstream::{escape, LayoutKind};
+use weightstream::__internal::escape;
+use weightstream::__internal::place::Step;
+use weightstream::place::{self, LayoutKind, PlaceConfig};
 
 use crate::commands::CliResult;
 
 /// Test-only: `kill -9` of the command at this step of the commit protocol
 /// (the crash tests); in the library's one table of variables.
-const PLACE_FAULT: &str = weightstream::env::PLACE_FAULT;
+const PLACE_FAULT: &str = weightstream::__internal::env::PLACE_FAULT;
 
 pub(crate) fn place(
     src: PathBuf,
@@ -39,7 +40,7 @@ pub(crate) fn place(
                 }
             }
         });
-    if let Some(at) = weightstream::env::get(PLACE_FAULT) {
+    if let Some(at) = weightstream::__internal::env::get(PLACE_FAULT) {
         let at: Step = at.parse()?;
         cfg = cfg.fault_hook(move |step| {
             if *step == at {

@@ -41,6 +41,7 @@ pub(crate) fn plot(spec: PathBuf, out: PathBuf) -> CliResult {
     } else {
         return Err(format!("{}: expected \"series\" or \"bars\"", spec.display()).into());
     };
-    std::fs::write(&out, svg).map_err(|e| format!("{}: write the chart: {e}", weightstream::escape(&out)))?;
+    std::fs::write(&out, svg)
+        .map_err(|e| format!("{}: write the chart: {e}", weightstream::__internal::escape(&out)))?;
     Ok(())
 }

@@ -3,7 +3,8 @@
 use std::io::Write;
 use std::path::Path;
 
-use weightstream::{escape, Model};
+use weightstream::__internal::escape;
+use weightstream::Model;
 
 use crate::cli::LayoutArgs;
 

@@ -17,13 +17,15 @@ pub fn bin() -> PathBuf {
 }
 
 /// Environment variables that change what the binary does (every library
-/// and command variable of the library's one table, `weightstream::env::ALL`);
-/// tests run it without them so the arguments alone decide (a developer's
-/// `WEIGHTSTREAM_MIRROR` or `WEIGHTSTREAM_ROUTE` must never leak into a
-/// test's layout).
+/// and command variable of the library's table, `weightstream::env::ALL`,
+/// and the command's crash-test variable of the hidden one,
+/// `weightstream::__internal::env::TESTS`); tests run it without them so
+/// the arguments alone decide (a developer's `WEIGHTSTREAM_MIRROR` or
+/// `WEIGHTSTREAM_ROUTE` must never leak into a test's layout).
 pub fn env_knobs() -> Vec<&'static str> {
     weightstream::env::ALL
         .iter()
+        .chain(weightstream::__internal::env::TESTS)
         .filter(|v| v.scope != weightstream::env::Scope::Tests)
         .map(|v| v.name)
         .collect()
