@@ -422,7 +422,7 @@ pub(crate) fn staged(reads: u64, bytes: u64, copy_ns: u64) -> Warning {
         WarningLocation::Engine,
         reads,
         format!(
-            "reads into caller memory at addresses out of phase with their file offsets went O_DIRECT into staging and              were copied into place ({bytes} bytes, {per_gb:.3} CPU s per GB); lay payloads out with Engine::placement              or read with Engine::read_anywhere to read in place"
+            "reads into caller memory at addresses out of phase with their file offsets went O_DIRECT into staging and were copied into place ({bytes} bytes, {per_gb:.3} CPU s per GB); lay payloads out with Engine::placement or read with Engine::read_anywhere to read in place"
         ),
     )
 }
