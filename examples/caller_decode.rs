@@ -16,7 +16,7 @@
 //! a placed arm needed staging. It prints each arm's median wait per step
 //! and its ratio to the arena's.
 //!
-//! cargo run --release --example caller_decode -- [STEPS] [ROUNDS] [EXPERT_BYTES] [DIR] [check|nocheck]
+//! cargo run --release --example caller_decode -- [STEPS] [ROUNDS] [EXPERT_BYTES] [DIR] [check|nocheck] [LAYERS]
 //!
 //! `nocheck` checks the bytes in the first round only, so the later
 //! rounds' waits are the reads' alone (no compute to hide them behind).
@@ -47,8 +47,9 @@ fn main() -> Result<()> {
         None => tempfile::tempdir()?,
     };
     let check_every_round = args.next().is_none_or(|a| a != "nocheck");
+    let layers: usize = args.next().map(|s| s.parse()).transpose()?.unwrap_or(2);
     let spec = SynthSpec {
-        layers: 2,
+        layers,
         experts: 16,
         expert_bytes,
         shards: 3,
