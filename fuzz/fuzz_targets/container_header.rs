@@ -12,8 +12,8 @@ use std::collections::{BTreeMap, HashSet};
 use std::path::Path;
 
 use libfuzzer_sys::fuzz_target;
-use weightstream::ShardHeader;
 use weightstream::__internal::MAX_HEADER_LEN;
+use weightstream::ShardHeader;
 
 const PATH: &str = "/fuzz/shard-00001.safetensors";
 
