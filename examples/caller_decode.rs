@@ -248,6 +248,47 @@ fn thread_cpu_ns() -> u64 {
     t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
 }
 
+/// Waits for a step's reads (timed), then computes on them.
+fn wait_then_compute<K: Landing>(spec: &SynthSpec, tickets: Vec<K>) -> Result<Duration> {
+    let t0 = Instant::now();
+    let landed = tickets
+        .into_iter()
+        .map(K::land)
+        .collect::<weightstream::Result<Vec<_>>>()?;
+    let waited = t0.elapsed();
+    for l in &landed {
+        compute(spec, K::name(l), l)?;
+    }
+    Ok(waited)
+}
+
+/// A ticket of either kind (the engine's, or one into lent memory).
+trait Landing {
+    type Landed: std::ops::Deref<Target = [u8]>;
+    fn land(self) -> weightstream::Result<Self::Landed>;
+    fn name(l: &Self::Landed) -> &str;
+}
+
+impl Landing for weightstream::Ticket {
+    type Landed = weightstream::Loaded;
+    fn land(self) -> weightstream::Result<Self::Landed> {
+        self.wait()
+    }
+    fn name(l: &Self::Landed) -> &str {
+        l.name()
+    }
+}
+
+impl<'s> Landing for weightstream::LentTicket<'s> {
+    type Landed = weightstream::LentLoaded<'s>;
+    fn land(self) -> weightstream::Result<Self::Landed> {
+        self.wait()
+    }
+    fn name(l: &Self::Landed) -> &str {
+        l.name()
+    }
+}
+
 /// Runs the double-buffered loop: `issue(k, half)` starts step k's reads
 /// into buffer `half` and returns the tickets, which `finish` waits for
 /// (returning how long it waited) and computes on.
@@ -286,18 +327,7 @@ fn arena_arm(engine: &Engine, plan: &Plan<'_>, spec: &SynthSpec) -> Result<Vec<D
             }
             Ok(engine.read_batch(reads)?)
         },
-        |tickets| {
-            let t0 = Instant::now();
-            let landed = tickets
-                .into_iter()
-                .map(|k| k.wait())
-                .collect::<weightstream::Result<Vec<_>>>()?;
-            let waited = t0.elapsed();
-            for l in &landed {
-                compute(spec, l.name(), l)?;
-            }
-            Ok(waited)
-        },
+        |tickets| wait_then_compute(spec, tickets),
     )
 }
 
@@ -365,18 +395,7 @@ fn aligned_arm(engine: &Engine, plan: &Plan<'_>, spec: &SynthSpec) -> Result<Vec
             }
             Ok(tickets)
         },
-        |tickets| {
-            let t0 = Instant::now();
-            let landed = tickets
-                .into_iter()
-                .map(|k| k.wait())
-                .collect::<weightstream::Result<Vec<_>>>()?;
-            let waited = t0.elapsed();
-            for l in &landed {
-                compute(spec, l.name(), l)?;
-            }
-            Ok(waited)
-        },
+        |tickets| wait_then_compute(spec, tickets),
     )?;
     for m in mems {
         m.release(Duration::from_secs(60))
@@ -400,18 +419,7 @@ fn vec_arm(engine: &Engine, plan: &Plan<'_>, spec: &SynthSpec) -> Result<Vec<Dur
                 }
                 Ok(tickets)
             },
-            |tickets| {
-                let t0 = Instant::now();
-                let landed = tickets
-                    .into_iter()
-                    .map(|k| k.wait())
-                    .collect::<weightstream::Result<Vec<_>>>()?;
-                let waited = t0.elapsed();
-                for l in &landed {
-                    compute(spec, l.name(), l)?;
-                }
-                Ok(waited)
-            },
+            |tickets| wait_then_compute(spec, tickets),
         )
     })?
 }
@@ -439,18 +447,7 @@ fn fixed_arm(engine: &Engine, plan: &Plan<'_>, spec: &SynthSpec) -> Result<Vec<D
                 }
                 Ok(tickets)
             },
-            |tickets| {
-                let t0 = Instant::now();
-                let landed = tickets
-                    .into_iter()
-                    .map(|k| k.wait())
-                    .collect::<weightstream::Result<Vec<_>>>()?;
-                let waited = t0.elapsed();
-                for l in &landed {
-                    compute(spec, l.name(), l)?;
-                }
-                Ok(waited)
-            },
+            |tickets| wait_then_compute(spec, tickets),
         )
     })?
 }
