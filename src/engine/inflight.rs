@@ -17,7 +17,7 @@
 
 use std::task::{Poll, Waker};
 
-use crate::engine::sync::{lock, Arc, AtomicUsize, Condvar, Mutex, Ordering};
+use crate::engine::sync::{lock, Arc, AtomicUsize, Condvar, Mutex, MutexGuard, Ordering};
 use crate::error::Error;
 
 struct State<S> {
@@ -155,6 +155,19 @@ impl<S> Request<S> {
 
     /// Blocks until the request completes, then takes its result.
     pub fn wait(&self) -> Outcome<S> {
+        Self::take(&mut self.wait_done())
+    }
+
+    /// Blocks until every chunk has completed, taking nothing: true when
+    /// the kernel is finished with the slot, false when a chunk was
+    /// abandoned while the kernel may still write into it (the slot is
+    /// leaked, see [`Request::abandon`]).
+    pub(crate) fn settle(&self) -> bool {
+        !self.wait_done().leak
+    }
+
+    /// Sleeps until the request is done; the state, locked.
+    fn wait_done(&self) -> MutexGuard<'_, State<S>> {
         let mut st = lock(&self.state);
         while !st.done {
             st.sleeping = true;
@@ -164,23 +177,7 @@ impl<S> Request<S> {
             };
         }
         st.sleeping = false;
-        Self::take(&mut st)
-    }
-
-    /// Blocks until every chunk has completed, taking nothing: true when
-    /// the kernel is finished with the slot, false when a chunk was
-    /// abandoned while the kernel may still write into it (the slot is
-    /// leaked, see [`Request::abandon`]).
-    pub(crate) fn settle(&self) -> bool {
-        let mut st = lock(&self.state);
-        while !st.done {
-            st.sleeping = true;
-            st = match self.done_cv.wait(st) {
-                Ok(g) => g,
-                Err(p) => p.into_inner(),
-            };
-        }
-        !st.leak
+        st
     }
 
     /// [`Request::wait`] for at most `timeout`: `None` when the request is
