@@ -89,8 +89,12 @@ pub(crate) struct DriveCounters {
     /// Chunks that failed on a copy here and moved to another copy.
     pub(crate) failovers: AtomicU64,
     /// Chunks issued as plain reads because their slot's arena is not
-    /// registered with the ring.
+    /// registered with the ring (every cause).
     pub(crate) chunks_unregistered: AtomicU64,
+    /// Of those, chunks into arenas nobody asked the engine to register
+    /// (a whole-model load's own mapping, `Arena::new`, `Arena::packed`):
+    /// a choice, not a fallback.
+    pub(crate) chunks_unregistered_arena: AtomicU64,
     /// Payload bytes read from this drive into a slot whose arena is bound
     /// to another NUMA node (both nodes known).
     pub(crate) cross_node_bytes: AtomicU64,
@@ -163,8 +167,15 @@ pub struct DriveStats {
     pub fallbacks: BTreeMap<&'static str, u64>,
     /// Most chunks in flight at once.
     pub inflight_max: u64,
-    /// Chunks issued as plain reads because their arena is not registered.
+    /// Chunks issued as plain reads because their arena is not registered
+    /// (every cause).
     pub chunks_unregistered: u64,
+    /// Of those, chunks into arenas nobody asked the engine to register
+    /// (a whole-model load's own mapping, `Arena::new`, `Arena::packed`:
+    /// memory read into once, where pinning it for the ring would cost
+    /// more than it saves). Not a fallback, not warned; the rest are.
+    #[serde(default)]
+    pub chunks_unregistered_arena: u64,
     /// Chunks that landed.
     pub chunks: u64,
     /// Chunks that failed here and moved to another copy.

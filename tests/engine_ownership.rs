@@ -415,6 +415,7 @@ fn slot_of_an_arena_the_engine_did_not_make_reads_and_is_counted() {
         for t in &tensors {
             let what = format!("{} in a foreign {spec:?}", t.name);
             let before = unregistered(&engine);
+            let before_choice: u64 = engine.stats().drives.iter().map(|d| d.chunks_unregistered_arena).sum();
             let loaded = engine.read(t, foreign.take().unwrap()).unwrap().wait().unwrap();
             fx.verify(t, &loaded);
             drop(loaded);
@@ -424,6 +425,12 @@ fn slot_of_an_arena_the_engine_did_not_make_reads_and_is_counted() {
                 unregistered(&engine) - before,
                 want,
                 "{what}: every chunk into the foreign arena is counted unregistered"
+            );
+            let by_choice: u64 = engine.stats().drives.iter().map(|d| d.chunks_unregistered_arena).sum();
+            assert_eq!(
+                by_choice - before_choice,
+                want,
+                "{what}: an arena nobody asked to register: by choice, not a fallback"
             );
         }
         assert_eq!(foreign.available(), 1);

@@ -523,3 +523,125 @@ fn load_is_the_long_path_in_one_call_and_needs_no_engine_after() {
     );
     assert_eq!(a, b);
 }
+
+/// `load_all_into`: the same bytes, alignment and layout as `load_all`, in
+/// memory the caller keeps, load after load (the memory is reused, never
+/// reallocated); `load_bytes` is the size it needs. Memory that is too
+/// small, off a page, fixed-slot or still holding the previous load is
+/// refused naming the numbers, before anything is read.
+#[test]
+fn load_all_into_reuses_the_callers_memory_load_after_load() {
+    let tmp = common::tempdir();
+    let dir = tmp.path().join("m");
+    let (model, sums) = reference_model(&dir);
+    for backend in common::engine_backend_choices() {
+        let e = engine(&model, backend);
+        let opts = LoadOptions::new().align(64);
+        let need = e.load_bytes(&opts).unwrap();
+        let fresh = e.load_all(&opts).unwrap();
+        assert_eq!(need, fresh.report().mapped_bytes, "load_bytes is the layout's length");
+        // The caller's memory: page-aligned, one page longer than needed,
+        // filled with a pattern that must be overwritten exactly where the
+        // payloads land.
+        let mut buf = vec![0u8; need + 2 * 4096];
+        let skip = buf.as_ptr().align_offset(4096);
+        let mem = &mut buf[skip..skip + need + 4096];
+        mem.fill(0xA5);
+        let base = mem.as_mut_ptr();
+        // SAFETY: `mem` outlives the arena and everything loaded into it
+        // (all dropped before `buf` at the end of this iteration); nothing
+        // touches it while the arena holds it except through the loads.
+        let arena = unsafe { e.register_memory(std::ptr::NonNull::new(base).unwrap(), need + 4096) }.unwrap();
+        for round in 0..2 {
+            let into = e.load_all_into(&opts, &arena).unwrap();
+            assert!(into.report().given_memory && !fresh.report().given_memory);
+            assert_eq!(into.len(), fresh.len());
+            for t in model.catalog().tensors() {
+                let (a, b) = (into.get(&t.name).unwrap(), fresh.get(&t.name).unwrap());
+                assert_eq!(
+                    common::sha256_hex(a.bytes()),
+                    sums[&t.name],
+                    "{backend:?} round {round}: {}",
+                    t.name
+                );
+                // The same place relative to the memory's start.
+                let at = |p: *const u8, base: *const u8| p as usize - base as usize;
+                if t.len > 0 {
+                    let fresh_base = fresh.iter().map(|v| v.bytes().as_ptr() as usize).min().unwrap();
+                    let into_base = into.iter().map(|v| v.bytes().as_ptr() as usize).min().unwrap();
+                    assert_eq!(
+                        at(a.bytes().as_ptr(), into_base as *const u8),
+                        at(b.bytes().as_ptr(), fresh_base as *const u8),
+                        "{}: laid out as load_all lays it",
+                        t.name
+                    );
+                    let p = a.bytes().as_ptr() as usize;
+                    assert!(p >= base as usize && p + t.len as usize <= base as usize + need);
+                }
+            }
+            // Still held: a second load into the same memory is refused.
+            let busy = e.load_all_into(&opts, &arena).unwrap_err().to_string();
+            assert!(busy.contains("in use") && busy.contains("load_all_into"), "{busy}");
+            drop(into);
+        }
+        // Nothing past the layout was written.
+        drop(arena);
+        let mem = &buf[skip..skip + need + 4096];
+        assert!(
+            mem[need..].iter().all(|&b| b == 0xA5),
+            "{backend:?}: bytes past load_bytes written"
+        );
+
+        // Refusals, each naming what is wrong; nothing is read.
+        let small = weightstream::Arena::packed(need - 4096, 4096, false).unwrap();
+        let err = e.load_all_into(&opts, &small).unwrap_err().to_string();
+        assert!(err.contains(&need.to_string()) && err.contains("load_bytes"), "{err}");
+        let fixed = weightstream::Arena::new(weightstream::SlotSpec::new(need), 1).unwrap();
+        let err = e.load_all_into(&opts, &fixed).unwrap_err().to_string();
+        assert!(err.contains("fixed-slot"), "{err}");
+        let mut odd = vec![0u8; need + 2 * 4096];
+        let off = odd.as_ptr().align_offset(4096) + 64;
+        // SAFETY: as above; the arena is dropped before `odd`.
+        let odd_arena =
+            unsafe { e.register_memory(std::ptr::NonNull::new(odd[off..].as_mut_ptr()).unwrap(), need + 4096) }
+                .unwrap();
+        let err = e.load_all_into(&opts, &odd_arena).unwrap_err().to_string();
+        assert!(err.contains("4096-byte boundary"), "{err}");
+        drop(odd_arena);
+    }
+}
+
+/// A whole-model load's own mapping is not registered on purpose: its
+/// plain reads are counted as such (`chunks_unregistered_arena`), and no
+/// warning calls them a fallback.
+#[test]
+fn a_loads_own_mapping_is_unregistered_by_choice_not_a_fallback() {
+    if !common::uring_available() {
+        return;
+    }
+    let tmp = common::tempdir();
+    let dir = tmp.path().join("m");
+    let (model, _) = reference_model(&dir);
+    let e = engine(&model, BackendChoice::Uring);
+    let before: Vec<(u64, u64)> = e
+        .stats()
+        .drives
+        .iter()
+        .map(|d| (d.chunks_unregistered, d.chunks_unregistered_arena))
+        .collect();
+    let all = e.load_all(&LoadOptions::new()).unwrap();
+    assert!(!all.is_empty());
+    let s = e.stats();
+    let (plain, by_choice) = s.drives.iter().zip(&before).fold((0, 0), |(p, c), (d, b)| {
+        (p + d.chunks_unregistered - b.0, c + d.chunks_unregistered_arena - b.1)
+    });
+    assert!(plain > 0, "the load read its mapping with plain reads");
+    assert_eq!(plain, by_choice, "every one of them by choice");
+    assert!(
+        !e.warnings()
+            .iter()
+            .any(|w| matches!(w.kind, weightstream::WarningKind::SlotsUnregistered)),
+        "{:?}",
+        e.warnings()
+    );
+}

@@ -11,6 +11,7 @@ use std::sync::{Condvar, Mutex};
 
 use crate::engine::inflight::Request;
 use crate::engine::load::DriveLoad;
+use crate::engine::registry::Plain;
 use crate::engine::sync::{lock_std as lock, Arc as ReqArc};
 use crate::error::Error;
 use crate::memory::{Slot, SlotRange};
@@ -24,16 +25,20 @@ use crate::plan::chunk::Chunk;
 pub(crate) struct Target {
     pub range: SlotRange,
     pub buf_index: Option<u16>,
+    /// Without a fixed buffer, why (counted per chunk): see `Engine::buf_index`.
+    pub plain: Plain,
     /// NUMA node of the slot's arena, when bound.
     pub node: Option<usize>,
 }
 
 impl Target {
-    /// The target of a read into `slot`.
-    pub(crate) fn of(slot: &Slot, buf_index: Option<u16>) -> Self {
+    /// The target of a read into `slot`, with its fixed buffer or why it
+    /// has none (`Engine::buf_index`).
+    pub(crate) fn of(slot: &Slot, (buf_index, plain): (Option<u16>, Plain)) -> Self {
         Target {
             range: slot.range(),
             buf_index,
+            plain,
             node: slot.node(),
         }
     }

@@ -12,6 +12,24 @@ use crate::engine::{Backend, Engine};
 use crate::memory::limits::memlock_limit;
 use crate::memory::{Arena, Slot};
 
+/// Whether a read goes with a fixed buffer, and if not, why.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Plain {
+    /// With its fixed buffer.
+    Fixed,
+    /// The pread backend: no ring, nothing to count.
+    NoRing,
+    /// An arena nobody asked the engine to register (`Arena::packed`,
+    /// `Arena::new`, a whole-model load's own mapping: pinning memory read
+    /// into once costs more than it saves): plain Read by choice, counted
+    /// in `chunks_unregistered` and `chunks_unregistered_arena`, not warned.
+    Unasked,
+    /// Meant to be registered and is not (a slot across two registered
+    /// pieces; registration refused or off for this engine): a fallback,
+    /// counted in `chunks_unregistered` and warned.
+    Fallback,
+}
+
 /// An arena registered as fixed buffers: its pieces (`Arena::pieces`, at
 /// most 1 GiB each) at table indices `first..first + n`.
 pub(crate) struct ArenaReg {
@@ -172,12 +190,20 @@ impl Engine {
         });
     }
 
-    pub(crate) fn buf_index(&self, slot: &Slot) -> Option<u16> {
+    /// The fixed buffer a read into `slot` uses, and why it has none.
+    pub(crate) fn buf_index(&self, slot: &Slot) -> (Option<u16>, Plain) {
         if !matches!(self.backend, Backend::Uring) {
-            return None;
+            return (None, Plain::NoRing);
         }
         let reg = lock(&self.registry);
-        let a = reg.arenas.iter().find(|a| a.id == slot.arena_id())?;
+        let Some(a) = reg.arenas.iter().find(|a| a.id == slot.arena_id()) else {
+            let why = if reg.unregistered.is_some() {
+                Plain::Fallback
+            } else {
+                Plain::Unasked
+            };
+            return (None, why);
+        };
         let Some(piece) = slot.piece() else {
             // A slot across two registered pieces (a packed slot larger
             // than a piece, or one placed across a boundary) has no one
@@ -192,9 +218,12 @@ impl Engine {
                     slot.arena_id()
                 );
             }
-            return None;
+            return (None, Plain::Fallback);
         };
         let piece = piece as u32;
-        (piece < a.n).then(|| (a.first + piece) as u16)
+        match (piece < a.n).then(|| (a.first + piece) as u16) {
+            Some(i) => (Some(i), Plain::Fixed),
+            None => (None, Plain::Fallback),
+        }
     }
 }

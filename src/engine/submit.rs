@@ -9,10 +9,11 @@ use crate::config::MAX_COPY_RANKS;
 use crate::engine::completion;
 use crate::engine::inflight::Request;
 use crate::engine::queue::{Io, Job, Target};
+use crate::engine::registry::Plain;
 use crate::engine::router::Candidate;
 use crate::engine::sync::Arc as ReqArc;
 use crate::engine::ticket::{Meta, Ticket};
-use crate::engine::{Backend, Engine};
+use crate::engine::Engine;
 use crate::error::Result;
 use crate::format::catalog::TensorRef;
 use crate::memory::Slot;
@@ -159,8 +160,14 @@ impl Engine {
         } else {
             t.buffered = true;
         }
-        if job.target.buf_index.is_none() && matches!(self.backend, Backend::Uring) {
-            DriveCounters::add(&self.model.drives()[d].counters.chunks_unregistered, 1);
+        let counters = &self.model.drives()[d].counters;
+        match job.target.plain {
+            Plain::Fixed | Plain::NoRing => {}
+            Plain::Unasked => {
+                DriveCounters::add(&counters.chunks_unregistered, 1);
+                DriveCounters::add(&counters.chunks_unregistered_arena, 1);
+            }
+            Plain::Fallback => DriveCounters::add(&counters.chunks_unregistered, 1),
         }
         let lane = self.io.pick_lane(d);
         let q = &self.io.queues[lane];

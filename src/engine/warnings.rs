@@ -56,7 +56,9 @@ impl Engine {
             out.push(warning::pread_backend(why));
         }
         if uring {
-            let chunks: u64 = s.drives.iter().map(|d| d.chunks_unregistered).sum();
+            // Chunks into arenas nobody asked to register are a choice.
+            let fallback = |d: &crate::stats::DriveStats| d.chunks_unregistered - d.chunks_unregistered_arena;
+            let chunks: u64 = s.drives.iter().map(fallback).sum();
             match &reg.unregistered {
                 Some(why) => {
                     let (bytes, memlock) = reg.last_refused.map_or((None, false), |(b, m)| (Some(b), m));
@@ -72,8 +74,8 @@ impl Engine {
                 None => out.extend(
                     s.drives
                         .iter()
-                        .filter(|d| d.chunks_unregistered > 0)
-                        .map(|d| warning::slots_unregistered(&d.device, d.chunks_unregistered)),
+                        .filter(|d| fallback(d) > 0)
+                        .map(|d| warning::slots_unregistered(&d.device, fallback(d))),
                 ),
             }
             if let Some(ff) = s.fixed_files.as_ref().filter(|f| !f.enabled) {

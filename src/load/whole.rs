@@ -46,6 +46,9 @@ pub struct LoadReport {
     pub populated: bool,
     /// Whether the mapping was registered with the rings.
     pub registered: bool,
+    /// Whether the load went into memory the caller gave
+    /// ([`Engine::load_all_into`]) rather than a mapping of its own.
+    pub given_memory: bool,
     /// Whether a helper thread faulted the mapping in beside the reads
     /// ([`LoadOptions::fault_ahead`]).
     pub faulted_ahead: bool,
@@ -261,8 +264,40 @@ impl Engine {
     /// error (naming the tensor or file) is returned; reads still in flight
     /// complete into memory that is freed only after they do.
     pub fn load_all(&self, opts: &LoadOptions) -> Result<LoadedModel> {
-        let t0 = Instant::now();
+        self.load_impl(opts, None)
+    }
+
+    /// Bytes of memory [`Engine::load_all_into`] needs for `opts`: the
+    /// layout's length (payloads, the scratch before in-place payloads, the
+    /// page rounding after them), the same for every load of this model
+    /// with these options.
+    pub fn load_bytes(&self, opts: &LoadOptions) -> Result<usize> {
         opts.check()?;
+        let chosen = self.load_selection(opts)?;
+        Ok(self.load_layout(opts, &chosen)?.0.bytes)
+    }
+
+    /// [`Engine::load_all`] into memory the caller already has: a packed
+    /// arena of at least [`Engine::load_bytes`] bytes starting on a page
+    /// (one from [`Engine::register_memory`] over the caller's own buffer,
+    /// from [`Engine::packed_arena`], or [`Arena::packed`]). The tensors
+    /// land where `load_all` would put them in its own mapping, relative to
+    /// the arena's start; nothing is mapped, populated or faulted ahead
+    /// here. This is the reload of an engine that keeps its weights'
+    /// memory: once the memory has been written (faulted) by a first load,
+    /// a load pays only for the reads, and a registered arena (the first
+    /// two kinds) reads with fixed buffers, no page pinned again.
+    ///
+    /// The arena must be free over the layout's bytes: drop the
+    /// [`LoadedModel`] of a previous load into it first (its views hold
+    /// the slots). An arena that is too small, not page-aligned, not packed
+    /// or still in use is an error naming the numbers, and nothing is read.
+    pub fn load_all_into(&self, opts: &LoadOptions, memory: &Arena) -> Result<LoadedModel> {
+        self.load_impl(opts, Some(memory))
+    }
+
+    /// The tensors `opts` selects, in its order; an error when none is.
+    fn load_selection(&self, opts: &LoadOptions) -> Result<Vec<&TensorRef>> {
         let model = self.model();
         opts.check_names(model.catalog())?;
         let mut chosen: Vec<&TensorRef> = model.catalog().tensors().iter().filter(|t| opts.selects(t)).collect();
@@ -280,7 +315,12 @@ impl Engine {
             Order::File => chosen.sort_by_key(|t| (t.shard, t.offset, t.index)),
             Order::Size => chosen.sort_by(|a, b| b.len.cmp(&a.len).then((a.shard, a.offset).cmp(&(b.shard, b.offset)))),
         }
-        let block = model.required_align();
+        Ok(chosen)
+    }
+
+    /// The layout of `chosen` and their payload bytes.
+    fn load_layout(&self, opts: &LoadOptions, chosen: &[&TensorRef]) -> Result<(layout::Layout, u64)> {
+        let block = self.model().required_align();
         let unit = page_size().max(block);
         let items: Vec<Item> = chosen
             .iter()
@@ -300,33 +340,66 @@ impl Engine {
                 chosen.len()
             ))
         })?;
-        let arena = if opts.register {
-            self.packed_arena(plan.bytes, opts.populate)
-        } else {
-            Arena::packed(plan.bytes, block, opts.populate)
-        }
-        .map_err(|e| {
-            e.size_set_by(format!(
-                "load_all's selection: {} tensor(s) of {total_bytes} payload bytes laid out in {} bytes ({}; LoadOptions::align)",
-                chosen.len(),
-                plan.bytes,
-                opts.selection()
+        Ok((plan, total_bytes))
+    }
+
+    /// `memory` can take a load laid out in `bytes` bytes: packed, starting
+    /// on a `unit` boundary, long enough.
+    fn check_load_memory(&self, memory: &Arena, bytes: usize) -> Result<()> {
+        let unit = page_size().max(self.model().required_align());
+        let (base, len) = memory.region();
+        let why = if !memory.is_packed() {
+            Some("it is a fixed-slot arena (use a packed one: Engine::register_memory, Engine::packed_arena, Arena::packed)".to_string())
+        } else if !(base as usize).is_multiple_of(unit) {
+            Some(format!("it starts at {base:p}, not on a {unit}-byte boundary"))
+        } else if len < bytes {
+            Some(format!(
+                "it holds {len} bytes and the load needs {bytes} (Engine::load_bytes)"
             ))
-        })?;
+        } else if !memory.is_empty() {
+            Some(format!(
+                "{} slot(s) of it are in use (a read in flight, or a tensor still held): drop what a previous load into \
+                 it returned first",
+                memory.len()
+            ))
+        } else {
+            None
+        };
+        match why {
+            Some(why) => Err(Error::Config(format!("load_all_into: arena {}: {why}", memory.id()))),
+            None => Ok(()),
+        }
+    }
+
+    fn load_impl(&self, opts: &LoadOptions, memory: Option<&Arena>) -> Result<LoadedModel> {
+        let t0 = Instant::now();
+        opts.check()?;
+        let chosen = self.load_selection(opts)?;
+        let (plan, total_bytes) = self.load_layout(opts, &chosen)?;
+        let block = self.model().required_align();
+        let own;
+        let arena: &Arena = if let Some(memory) = memory {
+            self.check_load_memory(memory, plan.bytes)?;
+            memory
+        } else {
+            own = self.load_mapping(opts, &plan, &chosen, total_bytes, block)?;
+            &own
+        };
         let arena_seconds = t0.elapsed().as_secs_f64();
 
         let n = chosen.len();
         let mut landed: Vec<Option<Loaded>> = (0..n).map(|_| None).collect();
         let stop = AtomicBool::new(false);
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let faults_ahead = opts.faults_ahead(self.io_threads(), cpus);
+        // Memory given to the load is the caller's: never advised here.
+        let faults_ahead = memory.is_none() && opts.faults_ahead(self.io_threads(), cpus);
         let (read, (fault_ahead_seconds, fault_ahead_refused)) = std::thread::scope(|scope| {
             let mut refused = None;
             let helper = faults_ahead
                 .then(|| {
                     std::thread::Builder::new()
                         .name("ws-fault-ahead".into())
-                        .spawn_scoped(scope, || fault_ahead(&arena, plan.bytes, &stop))
+                        .spawn_scoped(scope, || fault_ahead(arena, plan.bytes, &stop))
                         .map_err(|e| refused = Some(format!("no fault-ahead thread: {e}")))
                         .ok()
                 })
@@ -340,7 +413,15 @@ impl Engine {
                 }
             }
             let guard = Stop(&stop);
-            let read = self.read_all(opts, &chosen, &plan, &arena, &mut landed, total_bytes, t0);
+            let read = self.read_all(
+                opts,
+                &chosen,
+                &plan,
+                (arena, memory.is_some()),
+                &mut landed,
+                total_bytes,
+                t0,
+            );
             drop(guard);
             let (secs, why) = helper.map_or((0.0, refused), |h| h.join().unwrap_or((0.0, None)));
             if let Some(why) = &why {
@@ -378,12 +459,37 @@ impl Engine {
                 seconds: t0.elapsed().as_secs_f64(),
                 arena_seconds,
                 order: opts.order,
-                populated: opts.populate,
-                registered: opts.register,
+                populated: memory.is_none() && opts.populate,
+                registered: memory.is_none() && opts.register,
+                given_memory: memory.is_some(),
                 faulted_ahead: faults_ahead,
                 fault_ahead_seconds,
                 fault_ahead_refused,
             },
+        })
+    }
+
+    /// The load's own mapping, as `opts` asks (registered, populated).
+    fn load_mapping(
+        &self,
+        opts: &LoadOptions,
+        plan: &layout::Layout,
+        chosen: &[&TensorRef],
+        total_bytes: u64,
+        block: usize,
+    ) -> Result<Arena> {
+        if opts.register {
+            self.packed_arena(plan.bytes, opts.populate)
+        } else {
+            Arena::packed(plan.bytes, block, opts.populate)
+        }
+        .map_err(|e| {
+            e.size_set_by(format!(
+                "load_all's selection: {} tensor(s) of {total_bytes} payload bytes laid out in {} bytes ({}; LoadOptions::align)",
+                chosen.len(),
+                plan.bytes,
+                opts.selection()
+            ))
         })
     }
 
@@ -396,7 +502,7 @@ impl Engine {
         opts: &LoadOptions,
         chosen: &[&TensorRef],
         plan: &layout::Layout,
-        arena: &Arena,
+        (arena, arena_given): (&Arena, bool),
         landed: &mut [Option<Loaded>],
         total_bytes: u64,
         t0: Instant,
@@ -425,10 +531,15 @@ impl Engine {
                     let spec = SlotSpec::new(t.len as usize).with_align(block).with_tail_room(true);
                     let slot = arena.take_at(p.at, p.len, spec, false).ok_or_else(|| {
                         Error::Config(format!(
-                            "load_all: tensor {}: bytes [{}, {}) of the load's mapping are not free (a layout bug)",
+                            "load_all: tensor {}: bytes [{}, {}) of the load's memory are not free ({})",
                             t.name,
                             p.at,
-                            p.at + p.len
+                            p.at + p.len,
+                            if arena_given {
+                                "the arena given to load_all_into is in use: drop what a previous load into it returned first"
+                            } else {
+                                "a layout bug"
+                            }
                         ))
                     })?;
                     self.read(t, slot)?

@@ -270,6 +270,7 @@ impl Model {
                     fallbacks: stats::snapshot_fallbacks(c),
                     inflight_max: ld(&c.inflight_max),
                     chunks_unregistered: ld(&c.chunks_unregistered),
+                    chunks_unregistered_arena: ld(&c.chunks_unregistered_arena),
                     chunks: ld(&c.chunks),
                     failovers: ld(&c.failovers),
                     share: 0.0,

@@ -181,6 +181,7 @@ mod tests {
             fallbacks: [("no_bulk", 1)].into_iter().collect(),
             inflight_max: 4,
             chunks_unregistered: 12,
+            chunks_unregistered_arena: 0,
             chunks: 12,
             failovers: 0,
             share: 1.0,

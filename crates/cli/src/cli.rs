@@ -192,11 +192,35 @@ pub(crate) enum Cmd {
         /// landing in it).
         #[arg(long, value_enum, default_value = "auto")]
         fault_ahead: AutoOnOff,
+        /// fresh: the load's own new mapping (what a start-up load pays: every page faulted in). reused: into
+        /// memory the engine already has and has written (a registered arena of Engine::load_bytes, loaded into
+        /// once untimed, then Engine::load_all_into timed: an engine reloading weights into its own buffers;
+        /// the timed region is that load alone). weightstream only.
+        #[arg(long, value_enum, default_value = "fresh")]
+        memory: LoadMemory,
         /// sha256 of every tensor after the load (not timed): printed as `digest` does, or in the JSON.
         #[arg(long)]
         digest: bool,
         #[command(flatten)]
         engine: EngineArgs,
+        #[command(flatten)]
+        layout: LayoutArgs,
+        #[arg(long)]
+        json: bool,
+    },
+    /// The load ceiling of a model on this machine: the model's bytes over the largest of fio's best read of its
+    /// files (a sweep, all drives at once), the fastest fault-in of as much fresh memory (MADV_POPULATE_WRITE on
+    /// every CPU, 4 KiB and huge pages), and both their busy CPU (/proc/stat) spread over the CPUs. A whole-model
+    /// load into fresh memory cannot beat it; into memory already faulted, the read alone is the ceiling.
+    LoadCeiling {
+        #[arg(value_parser = non_empty_path())]
+        model_dir: PathBuf,
+        /// fio's sweep: quick (8 configurations and 4 randread) or full (32 and 8).
+        #[arg(long, value_enum, default_value = "quick")]
+        sweep: SweepArg,
+        /// Fault-ins per page size (1 to 100; the fastest counts).
+        #[arg(long, default_value_t = 3, value_parser = count(1, 100))]
+        fault_rounds: usize,
         #[command(flatten)]
         layout: LayoutArgs,
         #[arg(long)]
@@ -374,6 +398,16 @@ pub(crate) enum LoadMethod {
     FsRead,
     /// Mapped and touched, never copied.
     Mmap,
+}
+
+/// `load --memory`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub(crate) enum LoadMemory {
+    /// `Engine::load_all`: a new mapping.
+    Fresh,
+    /// `Engine::load_all_into` memory a previous load wrote.
+    Reused,
 }
 
 /// A choice the library makes unless told.

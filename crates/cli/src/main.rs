@@ -21,6 +21,7 @@ mod cli;
 mod commands;
 mod config;
 mod error;
+mod load_ceiling;
 mod plot;
 mod progress;
 mod warnings;
@@ -104,6 +105,7 @@ fn run(cmd: Cmd) -> ExitCode {
             populate,
             register,
             fault_ahead,
+            memory,
             digest,
             engine,
             layout,
@@ -118,6 +120,7 @@ fn run(cmd: Cmd) -> ExitCode {
                 populate,
                 register,
                 fault_ahead: fault_ahead.chosen(),
+                memory,
                 digest,
                 json,
             },
@@ -191,6 +194,13 @@ fn run(cmd: Cmd) -> ExitCode {
             plot,
             json,
         ),
+        Cmd::LoadCeiling {
+            model_dir,
+            sweep,
+            fault_rounds,
+            layout,
+            json,
+        } => commands::load_ceiling::load_ceiling_cmd(model_dir, sweep, fault_rounds, &layout, json),
         Cmd::Plot { spec, out } => commands::plot::plot(spec, out),
         Cmd::CliTree => commands::tree::tree(),
         Cmd::Demo { dir, size, keep } => commands::demo::demo(dir, size, keep),

@@ -312,3 +312,86 @@ fn zram_drives_are_measured_alone_then_together() {
     }
     assert!(v["gbps"].as_f64().unwrap() > 0.0);
 }
+
+/// `load-ceiling`: the model's bytes over the largest of fio's read, the
+/// fault-in of as much fresh memory and their busy CPU over the CPUs, each
+/// part reported; the bound named is the part that set it.
+#[test]
+fn the_load_ceiling_is_the_slowest_of_its_three_parts() {
+    let tmp = common::tempdir();
+    if !can_measure(tmp.path()) {
+        return;
+    }
+    if !fio_installed() {
+        eprintln!("SKIP: fio is not installed (ci/install-deps installs it)");
+        return;
+    }
+    let dir = tmp.path().join("m");
+    small_model(&dir);
+    let (v, stderr) = common::run_json(&[
+        OsStr::new("load-ceiling"),
+        dir.as_os_str(),
+        OsStr::new("--fault-rounds"),
+        OsStr::new("1"),
+        OsStr::new("--json"),
+    ]);
+    let model = weightstream::Model::open(weightstream::ModelConfig::new(&dir)).unwrap();
+    let bytes = model.catalog().total_bytes();
+    assert_eq!(v["bytes"].as_u64(), Some(bytes), "{v:#}\n{stderr}");
+    let f = |p: &str| {
+        v.pointer(p)
+            .and_then(|x| x.as_f64())
+            .unwrap_or_else(|| panic!("{p}: {v:#}"))
+    };
+    let (read, fault, cpu, seconds) = (f("/fio/seconds"), f("/fault/seconds"), f("/cpu/seconds"), f("/seconds"));
+    assert!(read > 0.0 && fault > 0.0 && cpu >= 0.0, "{v:#}");
+    assert_eq!(seconds, read.max(fault).max(cpu), "{v:#}");
+    let bound = v["bound"].as_str().unwrap();
+    let by = match bound {
+        "read" => read,
+        "fault" => fault,
+        "cpu" => cpu,
+        other => panic!("bound {other}"),
+    };
+    assert_eq!(by, seconds, "{v:#}");
+    assert!((f("/gbps") - bytes as f64 / 1e9 / seconds).abs() < 1e-9 * f("/gbps").max(1.0));
+    // The read part is fio's best over its sweep, scaled to the model.
+    assert_eq!(f("/read_ceiling_gbps"), f("/fio/gbps"));
+    assert!((read - bytes as f64 / 1e9 / f("/fio/gbps")).abs() < 1e-9, "{v:#}");
+    assert!(v["fio"]["best_label"].as_str().unwrap().starts_with("rw="));
+    // The CPU part is both parts' busy time over the CPUs.
+    let busy = f("/fio/busy_cpu_seconds") + f("/fault/busy_cpu_seconds");
+    assert!((f("/cpu/busy_cpu_seconds") - busy).abs() < 1e-9, "{v:#}");
+    assert!((cpu - busy / v["cpu"]["cpus"].as_f64().unwrap()).abs() < 1e-9, "{v:#}");
+    // Both page sizes were tried; the faster one is reported.
+    let runs = v["fault"]["runs"].as_array().unwrap();
+    let kinds: std::collections::BTreeSet<&str> = runs.iter().map(|r| r["pages"].as_str().unwrap()).collect();
+    assert_eq!(kinds, ["4k", "thp"].into_iter().collect(), "{v:#}");
+    let fastest = runs
+        .iter()
+        .map(|r| r["seconds"].as_f64().unwrap())
+        .fold(f64::MAX, f64::min);
+    assert_eq!(fault, fastest, "{v:#}");
+    assert!(runs.iter().all(|r| r["bytes"].as_u64().unwrap() >= bytes), "{v:#}");
+    assert_eq!(v["drives"].as_array().unwrap().len(), 1, "{v:#}");
+
+    // The text form names the bound and the three parts.
+    let out = common::run(&[
+        OsStr::new("load-ceiling"),
+        dir.as_os_str(),
+        OsStr::new("--fault-rounds"),
+        OsStr::new("1"),
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for part in [
+        "load ceiling of",
+        "set by the",
+        "read:",
+        "fault:",
+        "cpu:",
+        "already faulted",
+    ] {
+        assert!(text.contains(part), "{part} missing: {text}");
+    }
+}

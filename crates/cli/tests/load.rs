@@ -51,7 +51,10 @@ fn every_method_loads_the_reference_bytes() {
     if common::uring_available() {
         arms.push(vec!["--backend", "uring"]);
         arms.push(vec!["--backend", "uring", "--align", "64", "--populate", "--register"]);
+        // Into memory a previous load wrote (Engine::load_all_into).
+        arms.push(vec!["--backend", "uring", "--memory", "reused"]);
     }
+    arms.push(vec!["--backend", "pread", "--memory", "reused", "--align", "64"]);
     let total: u64 = want.len() as u64;
     for extra in arms {
         let mut a = extra.clone();
@@ -73,6 +76,9 @@ fn every_method_loads_the_reference_bytes() {
                 extra[1],
                 "the backend asked for ran"
             );
+            let reused = extra.contains(&"reused");
+            assert_eq!(v["memory"], if reused { "reused" } else { "fresh" }, "{extra:?}");
+            assert_eq!(r["given_memory"].as_bool(), Some(reused), "{r}");
         }
     }
 }

@@ -124,7 +124,8 @@ impl Provider {
     /// The provider a configuration asks for: [`SingleNode`] when `off`, the
     /// XML topology at `xml` (device aliases from `device_map`, see
     /// `parse_device_map`), else the live system (built once per
-    /// process). Falls back to [`SingleNode`] with one warning when hwloc
+    /// process) when more than one node is online, [`SingleNode`] when only
+    /// one is. Falls back to [`SingleNode`] with one warning when hwloc
     /// fails or the `numa` feature is off. (`WEIGHTSTREAM_NUMA`,
     /// `WEIGHTSTREAM_NUMA_XML` and `WEIGHTSTREAM_NUMA_DEVICE_MAP` are read by
     /// the configuration, which calls this.)
@@ -136,6 +137,13 @@ impl Provider {
         if let Some(path) = xml {
             return hwloc::xml_or_fallback(path, aliases);
         }
+        // One node online: every drive, CPU and page is on it, so there is
+        // nothing to place, and building hwloc's topology (10 ms, the
+        // largest part of Engine::new on such a machine, measured) would
+        // only say so.
+        if online_nodes() <= 1 {
+            return Provider::off(ONE_NODE);
+        }
         hwloc::live_or_fallback(aliases)
     }
 
@@ -144,6 +152,10 @@ impl Provider {
         Provider::new(SingleNode::new(why))
     }
 }
+
+/// Why a machine with one NUMA node online places nothing.
+pub(crate) const ONE_NODE: &str =
+    "one NUMA node online (/sys/devices/system/node/online): nothing to place, hwloc not consulted";
 
 /// `vda=nvme0n1,loop3=nvme1n1` -> aliases (real device name or `MAJ:MIN`
 /// -> the OS device name in the topology). For testing with XML topologies.

@@ -131,6 +131,12 @@ pub struct FioRun {
     /// fio's own `usr_cpu + sys_cpu` (RUSAGE_THREAD per job: io-wq workers
     /// NOT included).
     pub cpu_s_fio: f64,
+    /// Busy CPU seconds of the whole machine over the invocation
+    /// (`/proc/stat`: kernel threads that work for fio, as a memloop
+    /// drive's loop workers, included; so is anything else running) less
+    /// the same of an invocation that reads nothing.
+    #[serde(default)]
+    pub busy_cpu_s: f64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -155,6 +161,14 @@ pub struct FioReport {
     pub cpu_s: f64,
     /// CPU seconds of an invocation that reads nothing (subtracted above).
     pub startup_cpu_s: f64,
+    /// The best invocation's machine-wide busy CPU seconds
+    /// ([`FioRun::busy_cpu_s`]).
+    #[serde(default)]
+    pub busy_cpu_s: f64,
+    /// Machine-wide busy CPU seconds of an invocation that reads nothing
+    /// (subtracted from each invocation's).
+    #[serde(default)]
+    pub startup_busy_cpu_s: f64,
     pub configs: Vec<FioRun>,
     pub elapsed_s: f64,
 }
@@ -330,11 +344,21 @@ pub fn hugetlb_free_bytes() -> u64 {
     }
 }
 
-/// Runs fio with `args`, killed (its process group) after `limit`; returns
-/// (stdout, stderr, CPU seconds of the fio process).
-fn invoke(args: &[String], limit: Duration) -> Result<(String, String, f64)> {
+/// What one fio invocation printed and cost.
+struct Invocation {
+    stdout: String,
+    stderr: String,
+    /// CPU seconds of the fio process (RUSAGE_CHILDREN).
+    cpu_s: f64,
+    /// Busy CPU seconds of the whole machine meanwhile (`/proc/stat`).
+    busy_cpu_s: f64,
+}
+
+/// Runs fio with `args`, killed (its process group) after `limit`.
+fn invoke(args: &[String], limit: Duration) -> Result<Invocation> {
     use std::os::unix::process::CommandExt;
     let cpu0 = crate::ceiling::children_cpu_seconds();
+    let busy0 = crate::ceiling::machine_busy_seconds();
     let mut child = Command::new("fio")
         .args(args)
         .stdin(Stdio::null())
@@ -385,6 +409,10 @@ fn invoke(args: &[String], limit: Duration) -> Result<(String, String, f64)> {
     let stdout = t_out.join().unwrap_or_default();
     let stderr = t_err.join().unwrap_or_default();
     let cpu = (crate::ceiling::children_cpu_seconds() - cpu0).max(0.0);
+    let busy = match (busy0, crate::ceiling::machine_busy_seconds()) {
+        (Some(a), Some(b)) => (b - a).max(0.0),
+        _ => 0.0,
+    };
     let status = status?;
     if !status.success() {
         return Err(Error::Config(format!(
@@ -392,7 +420,12 @@ fn invoke(args: &[String], limit: Duration) -> Result<(String, String, f64)> {
             excerpt(if stderr.trim().is_empty() { &stdout } else { &stderr })
         )));
     }
-    Ok((stdout, stderr, cpu))
+    Ok(Invocation {
+        stdout,
+        stderr,
+        cpu_s: cpu,
+        busy_cpu_s: busy,
+    })
 }
 
 /// Runs the sweep over `drives` (each drive's files), all drives at once in
@@ -421,9 +454,10 @@ pub fn sweep(drives: &[Vec<PathBuf>], cfg: &FioSweep) -> Result<FioReport> {
             buffers: Buffers::Plain,
         },
     };
-    let startup_cpu_s = invoke(&args(&drives[..1], smallest, &probe, 4096, 1.0, false), cfg.grace)
-        .map(|(_, _, cpu)| cpu)
-        .unwrap_or(0.0);
+    let (startup_cpu_s, startup_busy_cpu_s) =
+        invoke(&args(&drives[..1], smallest, &probe, 4096, 1.0, false), cfg.grace)
+            .map(|i| (i.cpu_s, i.busy_cpu_s))
+            .unwrap_or((0.0, 0.0));
     let mut runs: Vec<FioRun> = Vec::with_capacity(cfg.configs.len());
     let mut best_so_far = 0.0f64;
     for &c in &cfg.configs {
@@ -436,6 +470,7 @@ pub fn sweep(drives: &[Vec<PathBuf>], cfg: &FioSweep) -> Result<FioReport> {
             cpu_s: 0.0,
             cpu_s_per_gb: 0.0,
             cpu_s_fio: 0.0,
+            busy_cpu_s: 0.0,
             error,
             skipped,
             iomem: String::new(),
@@ -452,13 +487,13 @@ pub fn sweep(drives: &[Vec<PathBuf>], cfg: &FioSweep) -> Result<FioReport> {
         let huge = cfg.huge_pages && hugetlb_free_bytes() >= need;
         let a = args(drives, smallest, &c, cfg.bytes, cfg.seconds, huge);
         let limit = Duration::from_secs_f64(cfg.seconds) + cfg.grace;
-        let r = invoke(&a, limit).and_then(|(out, err, cpu)| {
-            parse_output(&out)
-                .map(|p| (p, cpu))
-                .map_err(|e| Error::Config(format!("{e}; fio's stderr: {}", excerpt(&err))))
+        let r = invoke(&a, limit).and_then(|i| {
+            parse_output(&i.stdout)
+                .map(|p| (p, i.cpu_s, i.busy_cpu_s))
+                .map_err(|e| Error::Config(format!("{e}; fio's stderr: {}", excerpt(&i.stderr))))
         });
         let run = match r {
-            Ok((p, cpu)) => {
+            Ok((p, cpu, busy)) => {
                 let gbps = p.bw_bytes / 1e9;
                 let cpu_s = (cpu - startup_cpu_s).max(0.0);
                 let gb = p.io_bytes as f64 / 1e9;
@@ -469,6 +504,7 @@ pub fn sweep(drives: &[Vec<PathBuf>], cfg: &FioSweep) -> Result<FioReport> {
                     cpu_s,
                     cpu_s_per_gb: if gb > 0.0 { cpu_s / gb } else { 0.0 },
                     cpu_s_fio: p.cpu_s,
+                    busy_cpu_s: (busy - startup_busy_cpu_s).max(0.0),
                     iomem: if huge { "shmhuge" } else { "malloc" }.into(),
                     label: format!("{} iomem={}", c.label(), if huge { "shmhuge" } else { "malloc" }),
                     ..blank(None, None)
@@ -530,6 +566,8 @@ pub fn sweep(drives: &[Vec<PathBuf>], cfg: &FioSweep) -> Result<FioReport> {
         seconds: b.seconds,
         cpu_s: b.cpu_s,
         startup_cpu_s,
+        busy_cpu_s: b.busy_cpu_s,
+        startup_busy_cpu_s,
         configs: runs,
         elapsed_s: t_all.elapsed().as_secs_f64(),
     })

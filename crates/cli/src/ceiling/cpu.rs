@@ -45,3 +45,61 @@ pub fn process_cpu_seconds() -> f64 {
     let (u, s) = process_cpu();
     u + s
 }
+
+/// Busy CPU seconds of the whole machine since boot, every CPU summed, from
+/// the first line of `/proc/stat` (user, nice, system, irq, softirq,
+/// steal; idle and iowait left out; guest time is already inside user).
+/// Kernel threads that work for a process count here and in no process's
+/// `getrusage`: the loop driver's workers that copy a memloop drive's
+/// reads, the block layer's softirqs. Resolution: one clock tick
+/// (`_SC_CLK_TCK`, usually 10 ms) per CPU. `None` without `/proc/stat`.
+pub fn machine_busy_seconds() -> Option<f64> {
+    let text = std::fs::read_to_string("/proc/stat").ok()?;
+    busy_seconds_of(&text, clock_ticks_per_second())
+}
+
+/// What [`machine_busy_seconds`] reads from `/proc/stat`'s text.
+pub fn busy_seconds_of(stat: &str, ticks_per_second: f64) -> Option<f64> {
+    let line = stat.lines().find(|l| l.starts_with("cpu "))?;
+    let v: Vec<u64> = line.split_whitespace().skip(1).map_while(|x| x.parse().ok()).collect();
+    // user nice system idle iowait irq softirq steal [guest guest_nice]
+    if v.len() < 8 || ticks_per_second <= 0.0 {
+        return None;
+    }
+    let busy = v[0] + v[1] + v[2] + v[5] + v[6] + v[7];
+    Some(busy as f64 / ticks_per_second)
+}
+
+fn clock_ticks_per_second() -> f64 {
+    // SAFETY: sysconf reads a constant of the system; no pointer is passed.
+    let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if t > 0 {
+        t as f64
+    } else {
+        100.0
+    }
+}
+
+/// CPUs this process may run on (the affinity mask), at least 1.
+pub fn cpus() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn busy_time_is_every_column_but_idle_and_iowait() {
+        let stat = "cpu  100 2 30 5000 70 4 6 8 50 0\ncpu0 50 1 15 2500 35 2 3 4 25 0\nintr 1 2 3\n";
+        // 100 + 2 + 30 + 4 + 6 + 8 = 150 ticks at 100 per second.
+        assert_eq!(busy_seconds_of(stat, 100.0), Some(1.5));
+        assert_eq!(
+            busy_seconds_of("cpu0 1 2 3 4 5 6 7 8\n", 100.0),
+            None,
+            "the summary line only"
+        );
+        assert_eq!(busy_seconds_of("cpu  1 2 3\n", 100.0), None, "too few columns");
+        assert!(machine_busy_seconds().is_some_and(|s| s > 0.0));
+    }
+}

@@ -7,6 +7,7 @@ pub(crate) mod digest;
 pub(crate) mod gen;
 pub(crate) mod inspect;
 pub(crate) mod load;
+pub(crate) mod load_ceiling;
 pub(crate) mod place;
 pub(crate) mod plot;
 pub(crate) mod tree;

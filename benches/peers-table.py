@@ -1,0 +1,181 @@
+#!/usr/bin/env python3
+"""benches/peers.sh's table, summary and charts.
+
+Usage: peers-table.py OUT_DIR [WEIGHTSTREAM_BINARY]
+
+Reads OUT_DIR/meta.json (kinds, rounds, arms, the weightstream binary) when
+there is one, else takes the kinds, arms and rounds from the file names;
+then OUT_DIR/KIND-ARM-ROUND.json (every arm's runs), OUT_DIR/KIND-ceiling-
+{0,1}.json (`weightstream load-ceiling --json`, before and after the
+rounds) and OUT_DIR/failures.txt.
+
+Per kind and arm, over the runs that succeeded: the median GB/s, its ratio
+to fio's best and to the load ceiling (the better of the two load-ceiling
+runs; fio's best the better of their two fio figures), min-max GB/s, the
+median CPU s/GB (the process's, getrusage), the median machine-wide busy
+CPU s/GB (arm.py's arms only), the median peak RSS over the process's RSS
+when its clock started, per model byte. Writes OUT_DIR/table.md,
+OUT_DIR/summary.json and OUT_DIR/KIND-gbps.svg (median GB/s per arm, the
+reference line at the load ceiling) through `weightstream plot`.
+"""
+import glob
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+
+ARMS = ["weightstream", "weightstream-reused", "safetensors", "runai", "fastsafetensors"]
+WHAT = {
+    "weightstream": "weightstream load",
+    "weightstream-reused": "weightstream load --memory reused (judged against fio's best)",
+    "safetensors": "safetensors.torch.load_file",
+    "runai": "runai SafetensorsStreamer",
+    "fastsafetensors": "fastsafetensors nogds",
+}
+
+
+def load(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def over_baseline(v):
+    """Peak RSS over the RSS when the clock started: arm.py reports it;
+    weightstream load reports the two it is made of."""
+    if "peak_rss_over_baseline_bytes" in v:
+        return v["peak_rss_over_baseline_bytes"]
+    return v["peak_rss_bytes"] - v.get("rss_start_bytes", 0)
+
+
+def fmt(x, spec=".3f"):
+    return "n/a" if x is None else format(x, spec)
+
+
+def main():
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    out = sys.argv[1]
+    meta = load(f"{out}/meta.json") if os.path.exists(f"{out}/meta.json") else {}
+    ws = sys.argv[2] if len(sys.argv) > 2 else meta.get("weightstream")
+    runs_re = re.compile(r"^([a-z0-9]+)-([a-z]+(?:-[a-z]+)?)-([1-9][0-9]*)\.json$")
+    found = [m.groups() for m in (runs_re.match(os.path.basename(p)) for p in glob.glob(f"{out}/*.json")) if m]
+    kinds = meta.get("kinds") or sorted({k for k, a, _ in found if a != "ceiling"})
+    arms = meta.get("arms") or [a for a in ARMS if any(x == a for _, x, _ in found)]
+    rounds = meta.get("rounds") or max((int(r) for _, a, r in found if a != "ceiling"), default=0)
+    failures = []
+    if os.path.exists(f"{out}/failures.txt"):
+        failures = [l.split() for l in open(f"{out}/failures.txt") if l.strip()]
+
+    summary = {"meta": meta, "kinds": {}}
+    lines = [
+        "| drive | arm | GB/s (median) | min-max GB/s | runs ok | x fio best | x load ceiling | CPU s/GB | machine busy CPU s/GB | peak RSS over start / model |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    notes = []
+    for kind in kinds:
+        ceilings = [load(p) for p in (f"{out}/{kind}-ceiling-{i}.json" for i in (0, 1)) if os.path.exists(p)]
+        best = max(ceilings, key=lambda v: v["gbps"]) if ceilings else None
+        fio = max((v["fio"] for v in ceilings), key=lambda f: f["gbps"]) if ceilings else None
+        ceiling_gbps = best["gbps"] if best else None
+        fio_gbps = fio["gbps"] if fio else None
+        per = {}
+        for arm in arms:
+            rs = []
+            for r in range(1, rounds + 1):
+                p = f"{out}/{kind}-{arm}-{r}.json"
+                if os.path.exists(p):
+                    rs.append(load(p))
+            failed = sum(1 for f in failures if f[:2] == [kind, arm] and len(f) > 2 and f[2].isdigit())
+            if not rs:
+                per[arm] = {"runs": 0, "failed": failed}
+                lines.append(f"| {kind} | {WHAT.get(arm, arm)} | failed | | 0/{rounds} | | | | | |")
+                continue
+            med = lambda f: statistics.median(f(v) for v in rs)
+            gb = [v["gbps"] for v in rs]
+            busy = [v["busy_cpu_seconds"] / (v["bytes"] / 1e9) for v in rs if "busy_cpu_seconds" in v]
+            p = {
+                "runs": len(rs),
+                "failed": failed,
+                "bytes": rs[0]["bytes"],
+                "tensors": rs[0].get("tensors"),
+                "gbps": med(lambda v: v["gbps"]),
+                "gbps_min": min(gb),
+                "gbps_max": max(gb),
+                "runs_gbps": gb,
+                "seconds": med(lambda v: v["seconds"]),
+                "cpu_seconds_per_gb": med(lambda v: v["cpu_seconds_per_gb"]),
+                "busy_cpu_seconds_per_gb": statistics.median(busy) if busy else None,
+                "peak_rss_over_baseline_per_model": med(lambda v: over_baseline(v) / v["bytes"]),
+                "peak_rss_bytes": med(lambda v: v["peak_rss_bytes"]),
+                "x_fio_best": None,
+                "x_load_ceiling": None,
+            }
+            if fio_gbps:
+                p["x_fio_best"] = p["gbps"] / fio_gbps
+            if ceiling_gbps:
+                p["x_load_ceiling"] = p["gbps"] / ceiling_gbps
+            cfg = next((v.get("config") for v in rs if v.get("config")), None)
+            if cfg:
+                p["config"] = cfg
+            ver = next((v.get("versions") for v in rs if v.get("versions")), None)
+            if ver:
+                p["versions"] = ver
+            per[arm] = p
+            if ceiling_gbps and arm != "weightstream-reused" and p["gbps"] > ceiling_gbps:
+                notes.append(
+                    f"{kind}: {arm} ({p['gbps']:.3f} GB/s) beats the load ceiling ({ceiling_gbps:.3f}): the ceiling is wrong, "
+                    "not the arm that fast; see the ceiling's parts in summary.json"
+                )
+            if fio_gbps and p["gbps"] > fio_gbps:
+                notes.append(f"{kind}: {arm} ({p['gbps']:.3f} GB/s) beats fio's best ({fio_gbps:.3f}): fio's sweep missed the drive's best")
+            lines.append(
+                f"| {kind} | {WHAT.get(arm, arm)} | {p['gbps']:.3f} | {p['gbps_min']:.2f}-{p['gbps_max']:.2f} | "
+                f"{p['runs']}/{rounds} | {fmt(p['x_fio_best'], '.2f')} | {fmt(p['x_load_ceiling'], '.2f')} | "
+                f"{p['cpu_seconds_per_gb']:.3f} | {fmt(p['busy_cpu_seconds_per_gb'])} | {p['peak_rss_over_baseline_per_model']:.3f} |"
+            )
+        if fio:
+            label = fio.get("best_label", "")
+            lines.append(f"| {kind} | fio best (load-ceiling's sweep, before and after{': ' + label if label else ''}) | {fio_gbps:.3f} | | | 1.00 | {fmt(fio_gbps / ceiling_gbps if ceiling_gbps else None, '.2f')} | | {fmt(fio.get('busy_cpu_seconds') / (best['bytes'] / 1e9) if fio.get('busy_cpu_seconds') is not None else None)} | |")
+        if best:
+            lines.append(f"| {kind} | load ceiling ({best['bound']} bound; better of before and after) | {ceiling_gbps:.3f} | {min(v['gbps'] for v in ceilings):.2f}-{max(v['gbps'] for v in ceilings):.2f} | {len(ceilings)}/2 | {fmt(ceiling_gbps / fio_gbps if fio_gbps else None, '.2f')} | 1.00 | | | |")
+        else:
+            notes.append(f"{kind}: no load-ceiling run succeeded: no ratios to fio or to the ceiling.")
+        summary["kinds"][kind] = {
+            "load_ceiling_gbps": ceiling_gbps,
+            "load_ceiling_bound": best["bound"] if best else None,
+            "fio_best_gbps": fio_gbps,
+            "fio_best_label": fio.get("best_label") if fio else None,
+            "fault_gbps": max(v["fault"]["gbps"] for v in ceilings) if ceilings else None,
+            "ceilings": ceilings,
+            "arms": per,
+        }
+        bars = [[a, per[a]["gbps"]] for a in arms if per[a].get("runs")]
+        if ws and bars:
+            spec = {
+                "title": f"Whole model into process memory on {kind}, cold cache, median of {rounds}: GB/s (line: the load ceiling)",
+                "unit": "GB/s",
+                "bars": bars,
+                "reference": ceiling_gbps if ceiling_gbps else 0.0,
+            }
+            sp = f"{out}/{kind}-gbps.plot.json"
+            with open(sp, "w") as f:
+                json.dump(spec, f)
+            r = subprocess.run([ws, "plot", sp, f"{out}/{kind}-gbps.svg"], capture_output=True, text=True)
+            if r.returncode != 0:
+                notes.append(f"{kind}: the chart failed: {r.stderr.strip()}")
+    for f in failures:
+        notes.append("failed: " + " ".join(f))
+    text = "\n".join(lines) + "\n"
+    if notes:
+        text += "\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+    with open(f"{out}/summary.json", "w") as f:
+        json.dump(summary, f, indent=1)
+    with open(f"{out}/table.md", "w") as f:
+        f.write(text)
+    print(text, end="")
+
+
+if __name__ == "__main__":
+    main()
