@@ -26,10 +26,11 @@ import statistics
 import subprocess
 import sys
 
-ARMS = ["weightstream", "weightstream-reused", "safetensors", "runai", "fastsafetensors"]
+ARMS = ["weightstream", "weightstream-reused", "weightstream-before", "safetensors", "runai", "fastsafetensors"]
 WHAT = {
     "weightstream": "weightstream load",
     "weightstream-reused": "weightstream load --memory reused (judged against fio's best)",
+    "weightstream-before": "weightstream load, the build before (WS_BEFORE_BIN)",
     "safetensors": "safetensors.torch.load_file",
     "runai": "runai SafetensorsStreamer",
     "fastsafetensors": "fastsafetensors nogds",

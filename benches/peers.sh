@@ -50,6 +50,8 @@
 # Environment: KINDS, ROUNDS, SIZE (bytes, default 1.91e9), OUT_DIR as the
 # first argument (default docs/benchmarks/DATE-peers), WS_BIN (a built
 # weightstream; default: cargo build --release, target/release/weightstream),
+# WS_BEFORE_BIN (an older build's binary: its `load` runs as the arm
+# weightstream-before),
 # WS_PEERS_VENV (the arms' venv, made by benches/peers/venv.sh when
 # missing), ARM_TIMEOUT (seconds per arm run, default 900), WARMUP (1, or 0
 # for none), KEEP_PAGE_REPORTING=1 (leave free page reporting as it is).
@@ -64,6 +66,9 @@ size=${SIZE:-1.91e9}
 arm_timeout=${ARM_TIMEOUT:-900}
 out=${1:-docs/benchmarks/$(date +%F)-peers}
 arms=(weightstream weightstream-reused safetensors runai fastsafetensors)
+# WS_BEFORE_BIN: another build's `weightstream load` as one more arm (a
+# before/after in the same interleaved run).
+[ -z "${WS_BEFORE_BIN:-}" ] || arms+=(weightstream-before)
 
 if [ "$(id -u)" != 0 ]; then echo "peers: SKIP: needs root (simdrives, drop_caches, hugetlb pool)"; exit 0; fi
 if [ -n "${WS_BIN:-}" ]; then
@@ -151,6 +156,7 @@ run_arm() {
     case $arm in
         weightstream) cmd=("$ws" load "$dir" --json ${digest:+--digest}) ;;
         weightstream-reused) cmd=("$ws" load "$dir" --json --memory reused ${digest:+--digest}) ;;
+        weightstream-before) cmd=("$WS_BEFORE_BIN" load "$dir" --json ${digest:+--digest}) ;;
         *) cmd=("$py" benches/peers/arm.py "$arm" "$dir" ${digest:+--digest "$digest"}) ;;
     esac
     cold

@@ -165,7 +165,13 @@ pub(crate) fn load(dir: &Path, args: &LoadArgs, engine_args: &EngineArgs, layout
             loaded = match args.memory {
                 LoadMemory::Fresh => engine.load_all(&opts).map_err(flags)?,
                 LoadMemory::Reused => {
-                    memory = engine.packed_arena(engine.load_bytes(&opts)?, false).map_err(flags)?;
+                    let bytes = engine.load_bytes(&opts)?;
+                    memory = if args.register {
+                        engine.packed_arena(bytes, false)
+                    } else {
+                        weightstream::Arena::packed(bytes, engine.direct_align(), false)
+                    }
+                    .map_err(flags)?;
                     // The engine's previous load: it writes (faults in)
                     // every page of the memory, untimed.
                     drop(engine.load_all_into(&opts, &memory)?);
