@@ -9,9 +9,13 @@ then OUT_DIR/KIND-ARM-ROUND.json (every arm's runs), OUT_DIR/KIND-ceiling-
 {0,1}.json (`weightstream load-ceiling --json`, before and after the
 rounds) and OUT_DIR/failures.txt.
 
-Per kind and arm, over the runs that succeeded: the median GB/s, its ratio
-to fio's best and to the load ceiling (the better of the two load-ceiling
-runs; fio's best the better of their two fio figures), min-max GB/s, the
+Per kind and arm, over the runs that succeeded: the median GB/s; the median
+over rounds of its ratio to that round's fio run (the sweep's best
+configuration, OUT_DIR/KIND-roundceiling-ROUND.json) and to that round's
+load ceiling (that fio run, that round's fault-in, and the CPU part with
+the least busy CPU per byte of the sweeps); its ratio to the sweeps' fio
+best and load ceiling (the better of the two load-ceiling runs: a best of
+many noisy samples, biased up); min-max GB/s, the
 median CPU s/GB (the process's, getrusage), the median machine-wide busy
 CPU s/GB (arm.py's arms only), the median peak RSS over the process's RSS
 when its clock started, per model byte. Writes OUT_DIR/table.md,
@@ -71,8 +75,8 @@ def main():
 
     summary = {"meta": meta, "kinds": {}}
     lines = [
-        "| drive | arm | GB/s (median) | min-max GB/s | runs ok | x fio best | x load ceiling | CPU s/GB | machine busy CPU s/GB | peak RSS over start / model |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| drive | arm | GB/s (median) | min-max GB/s | runs ok | x fio, same round | x load ceiling, same round (min-max) | x fio best of sweeps | x load ceiling of sweeps | CPU s/GB | machine busy CPU s/GB | peak RSS over start / model |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     notes = []
     for kind in kinds:
@@ -81,17 +85,34 @@ def main():
         fio = max((v["fio"] for v in ceilings), key=lambda f: f["gbps"]) if ceilings else None
         ceiling_gbps = best["gbps"] if best else None
         fio_gbps = fio["gbps"] if fio else None
+        # Each round's own ceiling: its fio run (the sweep's best
+        # configuration) and fault-in, with the CPU part from the least busy
+        # CPU per byte of the sweeps (a bound on what a read must cost).
+        least_busy_per_byte = min(
+            (v["fio"]["busy_cpu_seconds"] / v["bytes"] for v in ceilings), default=None
+        )
+        round_ceiling, round_fio = {}, {}
+        for r in range(1, rounds + 1):
+            p = f"{out}/{kind}-roundceiling-{r}.json"
+            if not os.path.exists(p):
+                continue
+            v = load(p)
+            busy = (least_busy_per_byte * v["bytes"] if least_busy_per_byte is not None else v["fio"]["busy_cpu_seconds"]) + v["fault"]["busy_cpu_seconds"]
+            t = max(v["fio"]["seconds"], v["fault"]["seconds"], busy / v["cpu"]["cpus"])
+            round_ceiling[r] = v["bytes"] / 1e9 / t
+            round_fio[r] = v["fio"]["gbps"]
         per = {}
         for arm in arms:
-            rs = []
+            rs, rs_round = [], []
             for r in range(1, rounds + 1):
                 p = f"{out}/{kind}-{arm}-{r}.json"
                 if os.path.exists(p):
                     rs.append(load(p))
+                    rs_round.append(r)
             failed = sum(1 for f in failures if f[:2] == [kind, arm] and len(f) > 2 and f[2].isdigit())
             if not rs:
                 per[arm] = {"runs": 0, "failed": failed}
-                lines.append(f"| {kind} | {WHAT.get(arm, arm)} | failed | | 0/{rounds} | | | | | |")
+                lines.append(f"| {kind} | {WHAT.get(arm, arm)} | failed | | 0/{rounds} | | | | | | | |")
                 continue
             med = lambda f: statistics.median(f(v) for v in rs)
             gb = [v["gbps"] for v in rs]
@@ -117,6 +138,11 @@ def main():
                 p["x_fio_best"] = p["gbps"] / fio_gbps
             if ceiling_gbps:
                 p["x_load_ceiling"] = p["gbps"] / ceiling_gbps
+            pairs = [(v["gbps"], r) for v, r in zip(rs, rs_round) if r in round_ceiling]
+            if pairs:
+                p["x_round_fio"] = statistics.median(g / round_fio[r] for g, r in pairs)
+                p["x_round_ceiling"] = statistics.median(g / round_ceiling[r] for g, r in pairs)
+                p["x_round_ceiling_min_max"] = [min(g / round_ceiling[r] for g, r in pairs), max(g / round_ceiling[r] for g, r in pairs)]
             cfg = next((v.get("config") for v in rs if v.get("config")), None)
             if cfg:
                 p["config"] = cfg
@@ -124,6 +150,11 @@ def main():
             if ver:
                 p["versions"] = ver
             per[arm] = p
+            if p.get("x_round_ceiling") and arm != "weightstream-reused" and p["x_round_ceiling"] > 1.0:
+                notes.append(
+                    f"{kind}: {arm} is above the load ceiling of its own rounds (median ratio {p['x_round_ceiling']:.3f}): "
+                    "the ceiling is wrong, not the arm that fast"
+                )
             if ceiling_gbps and arm != "weightstream-reused" and p["gbps"] > ceiling_gbps:
                 notes.append(
                     f"{kind}: {arm} ({p['gbps']:.3f} GB/s) beats the load ceiling ({ceiling_gbps:.3f}): the ceiling is wrong, "
@@ -133,17 +164,25 @@ def main():
                 notes.append(f"{kind}: {arm} ({p['gbps']:.3f} GB/s) beats fio's best ({fio_gbps:.3f}): fio's sweep missed the drive's best")
             lines.append(
                 f"| {kind} | {WHAT.get(arm, arm)} | {p['gbps']:.3f} | {p['gbps_min']:.2f}-{p['gbps_max']:.2f} | "
-                f"{p['runs']}/{rounds} | {fmt(p['x_fio_best'], '.2f')} | {fmt(p['x_load_ceiling'], '.2f')} | "
+                f"{p['runs']}/{rounds} | {fmt(p.get('x_round_fio'), '.2f')} | "
+                f"{fmt(p.get('x_round_ceiling'), '.2f')} ({'-'.join(fmt(x, '.2f') for x in p.get('x_round_ceiling_min_max', [None, None]))}) | "
+                f"{fmt(p['x_fio_best'], '.2f')} | {fmt(p['x_load_ceiling'], '.2f')} | "
                 f"{p['cpu_seconds_per_gb']:.3f} | {fmt(p['busy_cpu_seconds_per_gb'])} | {p['peak_rss_over_baseline_per_model']:.3f} |"
             )
         if fio:
             label = fio.get("best_label", "")
-            lines.append(f"| {kind} | fio best (load-ceiling's sweep, before and after{': ' + label if label else ''}) | {fio_gbps:.3f} | | | 1.00 | {fmt(fio_gbps / ceiling_gbps if ceiling_gbps else None, '.2f')} | | {fmt(fio.get('busy_cpu_seconds') / (best['bytes'] / 1e9) if fio.get('busy_cpu_seconds') is not None else None)} | |")
+            lines.append(f"| {kind} | fio best (load-ceiling's sweep, before and after{': ' + label if label else ''}) | {fio_gbps:.3f} | | | | | 1.00 | {fmt(fio_gbps / ceiling_gbps if ceiling_gbps else None, '.2f')} | | {fmt(fio.get('busy_cpu_seconds') / (best['bytes'] / 1e9) if fio.get('busy_cpu_seconds') is not None else None)} | |")
+        if round_ceiling:
+            rc, rf = list(round_ceiling.values()), list(round_fio.values())
+            lines.append(f"| {kind} | fio, that configuration, each round | {statistics.median(rf):.3f} | {min(rf):.2f}-{max(rf):.2f} | {len(rf)}/{rounds} | 1.00 | | | | | | |")
+            lines.append(f"| {kind} | load ceiling, each round | {statistics.median(rc):.3f} | {min(rc):.2f}-{max(rc):.2f} | {len(rc)}/{rounds} | | 1.00 | | | | | |")
         if best:
-            lines.append(f"| {kind} | load ceiling ({best['bound']} bound; better of before and after) | {ceiling_gbps:.3f} | {min(v['gbps'] for v in ceilings):.2f}-{max(v['gbps'] for v in ceilings):.2f} | {len(ceilings)}/2 | {fmt(ceiling_gbps / fio_gbps if fio_gbps else None, '.2f')} | 1.00 | | | |")
+            lines.append(f"| {kind} | load ceiling of the sweeps ({best['bound']} bound; better of before and after) | {ceiling_gbps:.3f} | {min(v['gbps'] for v in ceilings):.2f}-{max(v['gbps'] for v in ceilings):.2f} | {len(ceilings)}/2 | | | {fmt(ceiling_gbps / fio_gbps if fio_gbps else None, '.2f')} | 1.00 | | | |")
         else:
             notes.append(f"{kind}: no load-ceiling run succeeded: no ratios to fio or to the ceiling.")
         summary["kinds"][kind] = {
+            "round_load_ceiling_gbps": round_ceiling,
+            "round_fio_gbps": round_fio,
             "load_ceiling_gbps": ceiling_gbps,
             "load_ceiling_bound": best["bound"] if best else None,
             "fio_best_gbps": fio_gbps,

@@ -36,8 +36,13 @@
 #      round it also hashes every tensor it holds (after its clock stopped)
 #      and the script checks every digest equals the reference's: a mismatch
 #      stops the run (exit 1) with the differing lines
-#   5. the load ceiling again (KIND-ceiling-1.json); the better of the two is
-#      the ceiling, fio's better the fio best
+#      Each round also runs fio's best configuration of step 3 alone and one
+#      fault-in (load-ceiling --fio-config BEST --fault-rounds 1, in
+#      KIND-roundceiling-ROUND.json): the round's own load ceiling, so every
+#      arm's ratio is to a ceiling measured beside it (median of the rounds'
+#      ratios), not to the best of many noisy samples
+#   5. the load ceiling again (KIND-ceiling-1.json); the better of the two
+#      sweeps is reported too (the sweep's best, biased up by its many tries)
 # Then benches/peers-table.py OUT: OUT/table.md, OUT/summary.json and one
 # chart per kind (OUT/KIND-gbps.svg: median GB/s per arm, the line at the
 # load ceiling).
@@ -119,7 +124,7 @@ cold() { sync; echo 3 > /proc/sys/vm/drop_caches; }
 # ceiling part meets it first. Bare metal skips this.
 if [ -n "$old_reporting" ] && [ "${KEEP_PAGE_REPORTING:-0}" != 1 ] && [ "${WARM_MEMORY:-1}" = 1 ]; then
     cold
-    avail=$(awk '/MemAvailable/ {print $2 * 1024}' /proc/meminfo)
+    avail=$(( $(awk '/MemAvailable/ {print $2}' /proc/meminfo) * 1024 ))
     warm=$(( avail - (6 << 30) ))  # room left for the drives (memloop, zram) and the loads
     if [ "$warm" -gt 0 ]; then
         t=$SECONDS
@@ -213,10 +218,28 @@ for kind in $kinds; do
     echo "== $kind: $(du -sh "$dir" | cut -f1) in $dir, $(wc -l < "$out/$kind-reference.sha256") tensors"
     if [ "${WARMUP:-1}" = 1 ]; then cold; "$ws" load "$dir" > /dev/null; fi
     ceiling "$kind" 0
+    # fio's best configuration of that sweep, measured again in every round
+    # beside the loaders: a ceiling that is the best of many noisy samples
+    # is biased up, a median of interleaved runs is not.
+    best=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["fio"]["best_label"])' "$out/$kind-ceiling-0.json" 2>/dev/null || true)
     declare -A verified=()
     for r in $(seq 1 "$rounds"); do
         k=$(( (r - 1) % ${#arms[@]} ))
         order=("${arms[@]:k}" "${arms[@]:0:k}")
+        if [ -n "$best" ]; then
+            cold
+            if timeout "$arm_timeout" "$ws" load-ceiling "$dir" --fio-config "$best" --fault-rounds 1 --json \
+                > "$out/$kind-roundceiling-$r.json" 2> "$out/$kind-roundceiling-$r.err"; then
+                rm -f "$out/$kind-roundceiling-$r.err"
+                python3 -c '
+import json, sys
+v = json.load(open(sys.argv[1]))
+print("  round %s fio (%s) %.3f GB/s, fault-in %.3f GB/s" % (sys.argv[2], v["fio"]["best_label"], v["fio"]["gbps"], v["fault"]["gbps"]))' "$out/$kind-roundceiling-$r.json" "$r"
+            else
+                mv "$out/$kind-roundceiling-$r.json" "$out/$kind-roundceiling-$r.failed.json"
+                echo "$kind roundceiling $r failed" >> "$out/failures.txt"
+            fi
+        fi
         for arm in "${order[@]}"; do
             digest=
             [ -n "${verified[$arm]:-}" ] || digest=$out/$kind-$arm.sha256

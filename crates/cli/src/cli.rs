@@ -222,6 +222,11 @@ pub(crate) enum Cmd {
         /// Fault-ins per page size (1 to 100; the fastest counts).
         #[arg(long, default_value_t = 3, value_parser = count(1, 100))]
         fault_rounds: usize,
+        /// fio's configuration alone instead of its sweep, as the reports print it (`rw=read bs=4MiB iodepth=16
+        /// numjobs=1 force_async=1 fixedbufs=1`): a benchmark picks the best once, then measures it in every
+        /// round beside the loaders.
+        #[arg(long)]
+        fio_config: Option<crate::bench::fio::FioConfig>,
         #[command(flatten)]
         layout: LayoutArgs,
         #[arg(long)]

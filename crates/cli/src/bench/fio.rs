@@ -69,6 +69,68 @@ impl FioConfig {
     }
 }
 
+impl std::str::FromStr for FioConfig {
+    type Err = String;
+
+    /// The inverse of [`FioConfig::label`] (a trailing `iomem=...`, as the
+    /// reports print it, is accepted and ignored: the pool decides).
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let mut rw = None;
+        let (mut bs, mut qd, mut jobs, mut force_async, mut fixed) = (None, None, None, None, None);
+        for kv in s.split_whitespace() {
+            let (k, v) = kv
+                .split_once('=')
+                .ok_or_else(|| format!("{kv:?} is not key=value (in {s:?})"))?;
+            let num = |v: &str| v.parse::<usize>().map_err(|e| format!("{k}={v}: {e}"));
+            let flag = |v: &str| match v {
+                "0" => Ok(false),
+                "1" => Ok(true),
+                _ => Err(format!("{k}={v}: 0 or 1")),
+            };
+            match k {
+                "rw" => {
+                    rw = Some(match v {
+                        "read" => Rw::Read,
+                        "randread" => Rw::Randread,
+                        _ => return Err(format!("rw={v}: read or randread")),
+                    })
+                }
+                "bs" => bs = Some(crate::cli::parse_bytes(v).map_err(|e| format!("bs={v}: {e}"))?),
+                "iodepth" => qd = Some(num(v)?),
+                "numjobs" => jobs = Some(num(v)?),
+                "force_async" => force_async = Some(flag(v)?),
+                "fixedbufs" => fixed = Some(flag(v)?),
+                "iomem" => {}
+                _ => return Err(format!("unknown key {k:?} (in {s:?})")),
+            }
+        }
+        let missing = |what: &str| format!("{what} missing from {s:?}");
+        let bs = bs.ok_or_else(|| missing("bs"))?;
+        let read = ReadConfig {
+            bs: usize::try_from(bs)
+                .ok()
+                .filter(|&b| b >= 4096 && b % 4096 == 0 && b <= 1 << 30)
+                .ok_or_else(|| format!("bs={bs}: 4 KiB to 1 GiB, a multiple of 4096"))?,
+            qd: qd.filter(|&q| (1..=4096).contains(&q)).ok_or_else(|| missing("iodepth (1 to 4096)"))?,
+            readers: jobs.filter(|&j| (1..=64).contains(&j)).ok_or_else(|| missing("numjobs (1 to 64)"))?,
+            submit: if force_async.ok_or_else(|| missing("force_async"))? {
+                Submit::Async
+            } else {
+                Submit::Inline
+            },
+            buffers: if fixed.ok_or_else(|| missing("fixedbufs"))? {
+                Buffers::Fixed
+            } else {
+                Buffers::Plain
+            },
+        };
+        Ok(FioConfig {
+            rw: rw.ok_or_else(|| missing("rw"))?,
+            read,
+        })
+    }
+}
+
 /// What the fio arm runs, and its bounds per invocation.
 #[derive(Debug, Clone)]
 pub struct FioSweep {
@@ -671,6 +733,40 @@ mod tests {
             plain.label(),
             "rw=randread bs=1MiB iodepth=16 numjobs=1 force_async=0 fixedbufs=0"
         );
+    }
+
+    #[test]
+    fn a_label_parses_back_into_its_configuration() {
+        let c = FioConfig {
+            rw: Rw::Randread,
+            read: ReadConfig {
+                bs: 4 << 20,
+                qd: 64,
+                readers: 2,
+                submit: Submit::Async,
+                buffers: Buffers::Fixed,
+            },
+        };
+        assert_eq!(c.label().parse::<FioConfig>(), Ok(c));
+        let printed = format!("{} iomem=shmhuge", c.label());
+        assert_eq!(printed.parse::<FioConfig>(), Ok(c));
+        let plain = FioConfig {
+            rw: Rw::Read,
+            read: ReadConfig::BASELINE,
+        };
+        assert_eq!(plain.label().parse::<FioConfig>(), Ok(plain));
+        for bad in [
+            "",
+            "rw=write bs=1MiB iodepth=1 numjobs=1 force_async=0 fixedbufs=0",
+            "rw=read bs=1000 iodepth=1 numjobs=1 force_async=0 fixedbufs=0",
+            "rw=read bs=1MiB iodepth=0 numjobs=1 force_async=0 fixedbufs=0",
+            "rw=read bs=1MiB iodepth=1 numjobs=1 force_async=2 fixedbufs=0",
+            "rw=read bs=1MiB iodepth=1 numjobs=1 force_async=0",
+            "rw=read bs=1MiB iodepth=1 numjobs=1 force_async=0 fixedbufs=0 color=red",
+            "read",
+        ] {
+            assert!(bad.parse::<FioConfig>().is_err(), "{bad:?} accepted");
+        }
     }
 
     #[test]

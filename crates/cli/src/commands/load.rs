@@ -46,6 +46,10 @@ struct LoadRecord {
     /// previous load wrote; the timed region is the second load alone).
     #[serde(skip_serializing_if = "Option::is_none")]
     memory: Option<LoadMemory>,
+    /// `--memory reused`: the first, untimed load into the memory (while it
+    /// was still fresh), seconds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    first_load_seconds: Option<f64>,
     model_dir: PathBuf,
     tensors: usize,
     /// Payload bytes loaded.
@@ -137,6 +141,7 @@ pub(crate) fn load(dir: &Path, args: &LoadArgs, engine_args: &EngineArgs, layout
     let mut stats = None;
     let engine;
     let memory;
+    let mut first_load_seconds = None;
     let loaded;
     let owned: Vec<(String, Vec<u8>)>;
     let files: Vec<(Vec<u8>, Ranges)>;
@@ -174,7 +179,9 @@ pub(crate) fn load(dir: &Path, args: &LoadArgs, engine_args: &EngineArgs, layout
                     .map_err(flags)?;
                     // The engine's previous load: it writes (faults in)
                     // every page of the memory, untimed.
-                    drop(engine.load_all_into(&opts, &memory)?);
+                    let first = engine.load_all_into(&opts, &memory)?;
+                    first_load_seconds = Some(first.report().seconds);
+                    drop(first);
                     cpu0 = crate::ceiling::process_cpu_seconds();
                     t0 = Instant::now();
                     engine.load_all_into(&opts, &memory)?
@@ -243,6 +250,7 @@ pub(crate) fn load(dir: &Path, args: &LoadArgs, engine_args: &EngineArgs, layout
     let record = LoadRecord {
         method: args.method,
         memory: (args.method == LoadMethod::Weightstream).then_some(args.memory),
+        first_load_seconds,
         model_dir: dir.to_path_buf(),
         tensors: payloads.len(),
         bytes,

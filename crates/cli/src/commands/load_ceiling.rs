@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use weightstream::Model;
 
+use crate::bench::fio::FioConfig;
 use crate::ceiling::SweepConfig;
 use crate::cli::{LayoutArgs, SweepArg};
 use crate::commands::CliResult;
@@ -13,7 +14,7 @@ use crate::load_ceiling::{self, LoadCeilingConfig};
 
 pub(crate) fn load_ceiling_cmd(
     dir: PathBuf,
-    sweep: SweepArg,
+    (sweep, only): (SweepArg, Option<FioConfig>),
     fault_rounds: usize,
     layout: &LayoutArgs,
     json: bool,
@@ -26,6 +27,9 @@ pub(crate) fn load_ceiling_cmd(
     };
     let mut cfg = LoadCeilingConfig::new(sweep);
     cfg.fault_rounds = fault_rounds;
+    if let Some(c) = only {
+        cfg.fio.configs = vec![c];
+    }
     let c = load_ceiling::measure(&dir, &model, &cfg)?;
     if json {
         println!("{}", serde_json::to_string_pretty(&c)?);
@@ -41,8 +45,8 @@ pub(crate) fn load_ceiling_cmd(
         c.bound
     );
     println!(
-        "  read:  {:.3} s  fio's best {:.3} GB/s ({}); busy CPU {:.3} s",
-        c.read.seconds, c.read.gbps, c.read.best_label, c.read.busy_cpu_seconds
+        "  read:  {:.3} s  fio's best {:.3} GB/s ({}); busy CPU {:.3} s (the least per byte: {})",
+        c.read.seconds, c.read.gbps, c.read.best_label, c.read.busy_cpu_seconds, c.read.cpu_label
     );
     println!(
         "  fault: {:.3} s  {:.3} GB/s of fresh memory ({} pages, MADV_POPULATE_WRITE on {} threads); busy CPU {:.3} s",
