@@ -4,6 +4,7 @@
 # before and after any change to the load path.
 #
 #   benches/load-profile.sh MODEL_DIR OUT_DIR [LOAD ARGS...]   (root)
+#   WS_BIN: the build whose load is profiled (default target/release/weightstream)
 #
 # For `weightstream load MODEL_DIR LOAD_ARGS`, each from a cold cache:
 #   1. the load ceiling of the model (weightstream load-ceiling --json);
@@ -19,7 +20,7 @@
 #   6. strace -f -c: syscalls per GB (a separate, slower run: only the
 #      counts are used) -> OUT/strace.txt;
 #   7. /proc/PID/task/*/sched and comm of every thread, sampled every
-#      20 ms while the load runs, the last sample kept
+#      20 ms while the load runs, the last sample with the most threads kept
 #      -> OUT/sched.txt; io-wq workers (iou-wrk-*) included.
 # Then OUT/summary.txt: the numbers side by side.
 set -euo pipefail
@@ -29,11 +30,14 @@ dir=${1:?model dir}
 out=${2:?out dir}
 shift 2
 ws=${WS_BIN:-target/release/weightstream}
+# The ceiling is the machine's, not the build's: the current build measures
+# it even when WS_BIN is an older one (which may have no load-ceiling).
+ceiling_ws=${CEILING_BIN:-target/release/weightstream}
 mkdir -p "$out"
 cold() { sync; echo 3 > /proc/sys/vm/drop_caches; }
 
 cold
-"$ws" load-ceiling "$dir" --json > "$out/ceiling.json"
+"$ceiling_ws" load-ceiling "$dir" --json > "$out/ceiling.json"
 for i in 1 2 3; do
     cold
     "$ws" load "$dir" "$@" --json > "$out/load-$i.json" 2>/dev/null
@@ -84,7 +88,11 @@ while kill -0 "$pid" 2>/dev/null; do
         s=$(grep -E '^(se.sum_exec_runtime|nr_switches|nr_voluntary_switches|nr_involuntary_switches|nr_migrations)' "$t/sched" 2>/dev/null | awk '{printf "%s=%s ", $1, $3}') || continue
         snap+="$c $s"$'\n'
     done
-    [ -n "$snap" ] && printf '%s' "$snap" > "$out/sched.txt"
+    # The snapshot with the most threads (the I/O threads end before the
+    # process does).
+    if [ -n "$snap" ] && [ "$(printf '%s' "$snap" | wc -l)" -ge "$(wc -l < "$out/sched.txt")" ]; then
+        printf '%s' "$snap" > "$out/sched.txt"
+    fi
     sleep 0.02
 done
 wait "$pid" || true

@@ -12,8 +12,8 @@ rounds) and OUT_DIR/failures.txt.
 Per kind and arm, over the runs that succeeded: the median GB/s; the median
 over rounds of its ratio to that round's fio run (the sweep's best
 configuration, OUT_DIR/KIND-roundceiling-ROUND.json) and to that round's
-load ceiling (that fio run, that round's fault-in, and the CPU part with
-the least busy CPU per byte of the sweeps); its ratio to the sweeps' fio
+load ceiling (that fio run, that round's fault-in, their busy CPU over the
+CPUs); its ratio to the sweeps' fio
 best and load ceiling (the better of the two load-ceiling runs: a best of
 many noisy samples, biased up); min-max GB/s, the
 median CPU s/GB (the process's, getrusage), the median machine-wide busy
@@ -30,11 +30,12 @@ import statistics
 import subprocess
 import sys
 
-ARMS = ["weightstream", "weightstream-reused", "weightstream-before", "safetensors", "runai", "fastsafetensors"]
+ARMS = ["weightstream", "weightstream-reused", "weightstream-before", "fresh-read", "safetensors", "runai", "fastsafetensors"]
 WHAT = {
     "weightstream": "weightstream load",
     "weightstream-reused": "weightstream load --memory reused (judged against fio's best)",
     "weightstream-before": "weightstream load, the build before (WS_BEFORE_BIN)",
+    "fresh-read": "fresh-read.c: the files' bytes O_DIRECT into fresh memory, no tensors (not a loader)",
     "safetensors": "safetensors.torch.load_file",
     "runai": "runai SafetensorsStreamer",
     "fastsafetensors": "fastsafetensors nogds",
@@ -86,20 +87,14 @@ def main():
         ceiling_gbps = best["gbps"] if best else None
         fio_gbps = fio["gbps"] if fio else None
         # Each round's own ceiling: its fio run (the sweep's best
-        # configuration) and fault-in, with the CPU part from the least busy
-        # CPU per byte of the sweeps (a bound on what a read must cost).
-        least_busy_per_byte = min(
-            (v["fio"]["busy_cpu_seconds"] / v["bytes"] for v in ceilings), default=None
-        )
+        # configuration) and fault-in, and their busy CPU over the CPUs.
         round_ceiling, round_fio = {}, {}
         for r in range(1, rounds + 1):
             p = f"{out}/{kind}-roundceiling-{r}.json"
             if not os.path.exists(p):
                 continue
             v = load(p)
-            busy = (least_busy_per_byte * v["bytes"] if least_busy_per_byte is not None else v["fio"]["busy_cpu_seconds"]) + v["fault"]["busy_cpu_seconds"]
-            t = max(v["fio"]["seconds"], v["fault"]["seconds"], busy / v["cpu"]["cpus"])
-            round_ceiling[r] = v["bytes"] / 1e9 / t
+            round_ceiling[r] = v["gbps"]
             round_fio[r] = v["fio"]["gbps"]
         per = {}
         for arm in arms:

@@ -26,6 +26,11 @@
 #                         Engine::load_all_into memory a first (untimed) load
 #                         wrote; judged against fio's best, not the load
 #                         ceiling (no fresh memory)
+#        fresh-read       benches/peers/fresh_read.c: the shards' bytes read
+#                         O_DIRECT (8 threads, 4 MiB preads) into one fresh
+#                         mapping on huge pages, no tensors: the least a
+#                         loader can do, what this machine gives a read into
+#                         fresh memory (fio's buffers are few and reused)
 #        safetensors      arm.py safetensors: safetensors.torch.load_file per shard
 #        runai            arm.py runai: runai_model_streamer.SafetensorsStreamer,
 #                         its defaults
@@ -70,7 +75,7 @@ rounds=${ROUNDS:-5}
 size=${SIZE:-1.91e9}
 arm_timeout=${ARM_TIMEOUT:-900}
 out=${1:-docs/benchmarks/$(date +%F)-peers}
-arms=(weightstream weightstream-reused safetensors runai fastsafetensors)
+arms=(weightstream weightstream-reused fresh-read safetensors runai fastsafetensors)
 # WS_BEFORE_BIN: another build's `weightstream load` as one more arm (a
 # before/after in the same interleaved run).
 [ -z "${WS_BEFORE_BIN:-}" ] || arms+=(weightstream-before)
@@ -84,6 +89,9 @@ else
 fi
 "$ws" load-ceiling --help >/dev/null 2>&1 || { echo "peers: $ws has no load-ceiling command" >&2; exit 1; }
 py=$(benches/peers/venv.sh)
+# The least a loader can do (benches/peers/fresh_read.c): built here.
+fresh_read=$(mktemp -d)/fresh_read
+cc -O2 -pthread -o "$fresh_read" benches/peers/fresh_read.c
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 # Our own base and cgroup: another run's drives are left alone.
@@ -162,6 +170,7 @@ run_arm() {
         weightstream) cmd=("$ws" load "$dir" --json ${digest:+--digest}) ;;
         weightstream-reused) cmd=("$ws" load "$dir" --json --memory reused ${digest:+--digest}) ;;
         weightstream-before) cmd=("$WS_BEFORE_BIN" load "$dir" --json ${digest:+--digest}) ;;
+        fresh-read) cmd=("$fresh_read" 8 1 "${shards[@]}") ;;
         *) cmd=("$py" benches/peers/arm.py "$arm" "$dir" ${digest:+--digest "$digest"}) ;;
     esac
     cold
@@ -222,7 +231,8 @@ for kind in $kinds; do
     # beside the loaders: a ceiling that is the best of many noisy samples
     # is biased up, a median of interleaved runs is not.
     best=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["fio"]["best_label"])' "$out/$kind-ceiling-0.json" 2>/dev/null || true)
-    declare -A verified=()
+    mapfile -t shards < <(ls "$dir"/*.safetensors)
+    declare -A verified=([fresh-read]=none)  # files' bytes, not tensors: nothing to hash
     for r in $(seq 1 "$rounds"); do
         k=$(( (r - 1) % ${#arms[@]} ))
         order=("${arms[@]:k}" "${arms[@]:0:k}")

@@ -111,8 +111,12 @@ impl std::str::FromStr for FioConfig {
                 .ok()
                 .filter(|&b| b >= 4096 && b % 4096 == 0 && b <= 1 << 30)
                 .ok_or_else(|| format!("bs={bs}: 4 KiB to 1 GiB, a multiple of 4096"))?,
-            qd: qd.filter(|&q| (1..=4096).contains(&q)).ok_or_else(|| missing("iodepth (1 to 4096)"))?,
-            readers: jobs.filter(|&j| (1..=64).contains(&j)).ok_or_else(|| missing("numjobs (1 to 64)"))?,
+            qd: qd
+                .filter(|&q| (1..=4096).contains(&q))
+                .ok_or_else(|| missing("iodepth (1 to 4096)"))?,
+            readers: jobs
+                .filter(|&j| (1..=64).contains(&j))
+                .ok_or_else(|| missing("numjobs (1 to 64)"))?,
             submit: if force_async.ok_or_else(|| missing("force_async"))? {
                 Submit::Async
             } else {

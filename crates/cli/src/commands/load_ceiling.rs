@@ -45,8 +45,13 @@ pub(crate) fn load_ceiling_cmd(
         c.bound
     );
     println!(
-        "  read:  {:.3} s  fio's best {:.3} GB/s ({}); busy CPU {:.3} s (the least per byte: {})",
-        c.read.seconds, c.read.gbps, c.read.best_label, c.read.busy_cpu_seconds, c.read.cpu_label
+        "  read:  {:.3} s  fio's best {:.3} GB/s ({}); busy CPU {:.3} s (the least of the sweep: {:.3} s, {})",
+        c.read.seconds,
+        c.read.gbps,
+        c.read.best_label,
+        c.read.busy_cpu_seconds,
+        c.read.least_busy_cpu_seconds,
+        c.read.least_busy_label
     );
     println!(
         "  fault: {:.3} s  {:.3} GB/s of fresh memory ({} pages, MADV_POPULATE_WRITE on {} threads); busy CPU {:.3} s",
