@@ -184,8 +184,8 @@ pub(crate) enum Cmd {
         /// the read that lands in it).
         #[arg(long)]
         populate: bool,
-        /// Register the mapping with the rings before reading (weightstream only; pins every page first; with
-        /// --memory reused, the reused memory is registered, read with fixed buffers).
+        /// Register the mapping with the rings before reading (weightstream only; pins every page first).
+        /// Memory that is reused (--memory reused) is always registered.
         #[arg(long)]
         register: bool,
         /// A helper thread faulting the mapping in ahead of the reads (weightstream only): auto (when a
