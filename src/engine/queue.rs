@@ -11,12 +11,29 @@ use std::sync::{Condvar, Mutex};
 
 use crate::engine::inflight::Request;
 use crate::engine::load::DriveLoad;
-use crate::engine::registry::Plain;
 use crate::engine::sync::{lock_std as lock, Arc as ReqArc};
 use crate::error::Error;
 use crate::memory::{Slot, SlotRange};
 use crate::model::Model;
 use crate::plan::chunk::Chunk;
+
+/// Whether a read goes with a fixed buffer, and if not, why.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Plain {
+    /// With its fixed buffer.
+    Fixed,
+    /// The pread backend: no ring, nothing to count.
+    NoRing,
+    /// An arena nobody asked the engine to register (`Arena::packed`,
+    /// `Arena::new`, a whole-model load's own mapping: pinning memory read
+    /// into once costs more than it saves): plain Read by choice, counted
+    /// in `chunks_unregistered` and `chunks_unregistered_arena`, not warned.
+    Unasked,
+    /// Meant to be registered and is not (a slot across two registered
+    /// pieces; registration refused or off for this engine): a fallback,
+    /// counted in `chunks_unregistered` and warned.
+    Fallback,
+}
 
 /// Where a chunk's bytes go: the slot's memory (a [`SlotRange`]: its
 /// address travels as a pointer, never as an integer) and, when its arena

@@ -6,29 +6,11 @@ use std::sync::Arc;
 
 use crate::engine::backend::ring::{MAX_FIXED_BUFFERS, MAX_FIXED_BUFFER_BYTES};
 use crate::engine::completion;
-use crate::engine::queue::Control;
+use crate::engine::queue::{Control, Plain};
 use crate::engine::sync::lock_std as lock;
 use crate::engine::{Backend, Engine};
 use crate::memory::limits::memlock_limit;
 use crate::memory::{Arena, Slot};
-
-/// Whether a read goes with a fixed buffer, and if not, why.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Plain {
-    /// With its fixed buffer.
-    Fixed,
-    /// The pread backend: no ring, nothing to count.
-    NoRing,
-    /// An arena nobody asked the engine to register (`Arena::packed`,
-    /// `Arena::new`, a whole-model load's own mapping: pinning memory read
-    /// into once costs more than it saves): plain Read by choice, counted
-    /// in `chunks_unregistered` and `chunks_unregistered_arena`, not warned.
-    Unasked,
-    /// Meant to be registered and is not (a slot across two registered
-    /// pieces; registration refused or off for this engine): a fallback,
-    /// counted in `chunks_unregistered` and warned.
-    Fallback,
-}
 
 /// An arena registered as fixed buffers: its pieces (`Arena::pieces`, at
 /// most 1 GiB each) at table indices `first..first + n`.

@@ -8,8 +8,8 @@
 use crate::config::MAX_COPY_RANKS;
 use crate::engine::completion;
 use crate::engine::inflight::Request;
+use crate::engine::queue::Plain;
 use crate::engine::queue::{Io, Job, Target};
-use crate::engine::registry::Plain;
 use crate::engine::router::Candidate;
 use crate::engine::sync::Arc as ReqArc;
 use crate::engine::ticket::{Meta, Ticket};
