@@ -210,18 +210,25 @@ fn fio_installed() -> bool {
         .is_ok_and(|o| o.status.success())
 }
 
-#[test]
-fn the_fio_arm_reports_fios_best_beside_the_ceiling() {
+/// A small model in a fresh directory, when io_uring, O_DIRECT and fio
+/// are all here (else None, the reason printed as SKIP).
+fn fio_model() -> Option<(tempfile::TempDir, PathBuf)> {
     let tmp = common::tempdir();
     if !can_measure(tmp.path()) {
-        return;
+        return None;
     }
     if !fio_installed() {
         eprintln!("SKIP: fio is not installed (ci/install-deps installs it)");
-        return;
+        return None;
     }
     let dir = tmp.path().join("m");
     small_model(&dir);
+    Some((tmp, dir))
+}
+
+#[test]
+fn the_fio_arm_reports_fios_best_beside_the_ceiling() {
+    let Some((_tmp, dir)) = fio_model() else { return };
     let (v, stderr) = common::run_json(&[
         OsStr::new("bench"),
         dir.as_os_str(),
@@ -318,16 +325,7 @@ fn zram_drives_are_measured_alone_then_together() {
 /// part reported; the bound named is the part that set it.
 #[test]
 fn the_load_ceiling_is_the_slowest_of_its_three_parts() {
-    let tmp = common::tempdir();
-    if !can_measure(tmp.path()) {
-        return;
-    }
-    if !fio_installed() {
-        eprintln!("SKIP: fio is not installed (ci/install-deps installs it)");
-        return;
-    }
-    let dir = tmp.path().join("m");
-    small_model(&dir);
+    let Some((_tmp, dir)) = fio_model() else { return };
     let (v, stderr) = common::run_json(&[
         OsStr::new("load-ceiling"),
         dir.as_os_str(),
