@@ -141,7 +141,7 @@ impl Provider {
         // nothing to place, and building hwloc's topology (10 ms, the
         // largest part of Engine::new on such a machine, measured) would
         // only say so.
-        if online_nodes() <= 1 {
+        if one_node_online() {
             return Provider::off(ONE_NODE);
         }
         hwloc::live_or_fallback(aliases)
@@ -235,6 +235,15 @@ pub(crate) fn online_nodes() -> usize {
             .and_then(|s| parse_list(s.trim()))
             .map_or(1, |nodes| nodes.len().max(1))
     })
+}
+
+/// Whether `/sys/devices/system/node/online` says exactly one node is
+/// online (false when it cannot be read: then hwloc is asked).
+fn one_node_online() -> bool {
+    std::fs::read_to_string("/sys/devices/system/node/online")
+        .ok()
+        .and_then(|s| parse_list(s.trim()))
+        .is_some_and(|nodes| nodes.len() == 1)
 }
 
 /// What an I/O thread of one drive binds itself to when it starts.
