@@ -141,7 +141,7 @@ impl Provider {
         // nothing to place, and building hwloc's topology (10 ms, the
         // largest part of Engine::new on such a machine, measured) would
         // only say so.
-        if one_node_online() {
+        if cfg!(feature = "numa") && one_node_online() {
             return Provider::off(ONE_NODE);
         }
         hwloc::live_or_fallback(aliases)
