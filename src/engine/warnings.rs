@@ -57,7 +57,10 @@ impl Engine {
         }
         if uring {
             // Chunks into arenas nobody asked to register are a choice.
-            let fallback = |d: &crate::stats::DriveStats| d.chunks_unregistered - d.chunks_unregistered_arena;
+            // (Two counters read one after the other: saturating, as a
+            // chunk counted between the two loads may show in the second.)
+            let fallback =
+                |d: &crate::stats::DriveStats| d.chunks_unregistered.saturating_sub(d.chunks_unregistered_arena);
             let chunks: u64 = s.drives.iter().map(fallback).sum();
             match &reg.unregistered {
                 Some(why) => {

@@ -228,22 +228,26 @@ pub(crate) fn binding_failed(binding: &str) -> bool {
 /// NUMA nodes online on this machine (`/sys/devices/system/node/online`;
 /// 1 when unreadable), read once.
 pub(crate) fn online_nodes() -> usize {
-    static NODES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *NODES.get_or_init(|| {
-        std::fs::read_to_string("/sys/devices/system/node/online")
-            .ok()
-            .and_then(|s| parse_list(s.trim()))
-            .map_or(1, |nodes| nodes.len().max(1))
-    })
+    online_node_count().unwrap_or(1)
 }
 
 /// Whether `/sys/devices/system/node/online` says exactly one node is
 /// online (false when it cannot be read: then hwloc is asked).
 fn one_node_online() -> bool {
-    std::fs::read_to_string("/sys/devices/system/node/online")
-        .ok()
-        .and_then(|s| parse_list(s.trim()))
-        .is_some_and(|nodes| nodes.len() == 1)
+    online_node_count() == Some(1)
+}
+
+/// The nodes `/sys/devices/system/node/online` lists (None when it cannot
+/// be read or parsed), read once.
+fn online_node_count() -> Option<usize> {
+    static NODES: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *NODES.get_or_init(|| {
+        std::fs::read_to_string("/sys/devices/system/node/online")
+            .ok()
+            .and_then(|s| parse_list(s.trim()))
+            .map(|nodes| nodes.len())
+            .filter(|&n| n > 0)
+    })
 }
 
 /// What an I/O thread of one drive binds itself to when it starts.
