@@ -30,8 +30,9 @@ pub(crate) enum Plain {
     /// in `chunks_unregistered` and `chunks_unregistered_arena`, not warned.
     Unasked,
     /// Meant to be registered and is not (a slot across two registered
-    /// pieces; registration refused or off for this engine): a fallback,
-    /// counted in `chunks_unregistered` and warned.
+    /// pieces; registration refused or off for this engine; an arena
+    /// registered with another engine): a fallback, counted in
+    /// `chunks_unregistered` and warned.
     Fallback,
 }
 

@@ -64,6 +64,9 @@ impl Registry {
 
 impl Engine {
     pub(crate) fn maybe_register(&self, arena: &Arena) {
+        // Asked, even when fixed buffers are off for this engine: its reads
+        // without one are then counted as the fallback they are.
+        arena.mark_register_asked();
         if matches!(self.backend, Backend::Uring) && self.fixed_buffers_ok {
             self.register(arena);
         }
@@ -172,6 +175,12 @@ impl Engine {
         });
     }
 
+    /// Whether `arena` is registered with this engine's rings now.
+    pub(crate) fn is_registered(&self, arena: &Arena) -> bool {
+        let id = arena.id();
+        lock(&self.registry).arenas.iter().any(|a| a.id == id)
+    }
+
     /// The fixed buffer a read into `slot` uses, and why it has none.
     pub(crate) fn buf_index(&self, slot: &Slot) -> (Option<u16>, Plain) {
         if !matches!(self.backend, Backend::Uring) {
@@ -179,7 +188,10 @@ impl Engine {
         }
         let reg = lock(&self.registry);
         let Some(a) = reg.arenas.iter().find(|a| a.id == slot.arena_id()) else {
-            let why = if reg.unregistered.is_some() {
+            // Not registered here: a fallback when an engine asked for it
+            // (refused, fixed buffers off, or another engine's arena), a
+            // choice when nobody did.
+            let why = if slot.register_asked() {
                 Plain::Fallback
             } else {
                 Plain::Unasked

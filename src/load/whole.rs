@@ -44,7 +44,9 @@ pub struct LoadReport {
     pub order: Order,
     /// Whether the mapping was faulted in before reading.
     pub populated: bool,
-    /// Whether the mapping was registered with the rings.
+    /// Whether the memory read into is registered with the engine's rings
+    /// (the load's own mapping when asked and not refused; given memory
+    /// from `register_memory` or `packed_arena`).
     pub registered: bool,
     /// Whether the load went into memory the caller gave
     /// ([`Engine::load_all_into`]) rather than a mapping of its own.
@@ -288,10 +290,14 @@ impl Engine {
     /// a load pays only for the reads, and a registered arena (the first
     /// two kinds) reads with fixed buffers, no page pinned again.
     ///
-    /// The arena must be free over the layout's bytes: drop the
-    /// [`LoadedModel`] of a previous load into it first (its views hold
-    /// the slots). An arena that is too small, not page-aligned, not packed
-    /// or still in use is an error naming the numbers, and nothing is read.
+    /// No slot of the arena may be out: drop the [`LoadedModel`] of a
+    /// previous load into it first (its views hold the slots). An arena
+    /// that is too small, not page-aligned, not packed or with a slot out
+    /// is an error naming the numbers, and nothing is read (a slot taken
+    /// by another thread during the load fails the load at that tensor).
+    /// However the call ends, no read into the arena is in flight when it
+    /// returns: after an error the memory may be loaded into again, or,
+    /// once the arena is dropped or released, freed.
     pub fn load_all_into(&self, opts: &LoadOptions, memory: &Arena) -> Result<LoadedModel> {
         self.load_impl(opts, Some(memory))
     }
@@ -373,6 +379,9 @@ impl Engine {
 
     fn load_impl(&self, opts: &LoadOptions, memory: Option<&Arena>) -> Result<LoadedModel> {
         let t0 = Instant::now();
+        // In a forked child: Error::Forked, before any arena is looked at
+        // (a child sees every packed arena as empty).
+        self.check_origin()?;
         opts.check()?;
         let chosen = self.load_selection(opts)?;
         let (plan, total_bytes) = self.load_layout(opts, &chosen)?;
@@ -460,7 +469,7 @@ impl Engine {
                 arena_seconds,
                 order: opts.order,
                 populated: memory.is_none() && opts.populate,
-                registered: memory.is_none() && opts.register,
+                registered: self.is_registered(arena),
                 given_memory: memory.is_some(),
                 faulted_ahead: faults_ahead,
                 fault_ahead_seconds,
@@ -509,7 +518,14 @@ impl Engine {
     ) -> Result<()> {
         let block = self.model().required_align();
         let n = chosen.len();
-        let mut set = WaitSet::new();
+        // Into given memory, the call returns only when no read of it is
+        // in flight, however it ends (an error, a panic in the progress
+        // callback): the caller may free lent memory once it returns.
+        let mut drain = Drain {
+            set: WaitSet::new(),
+            on: arena_given,
+        };
+        let set = &mut drain.set;
         let (mut next, mut ahead, mut done, mut done_bytes) = (0usize, 0u64, 0usize, 0u64);
         let window = opts.window_bytes() as u64;
         let report = |done: usize, bytes: u64| {
@@ -559,6 +575,21 @@ impl Engine {
             report(done, done_bytes);
         }
         Ok(())
+    }
+}
+
+/// The tickets of a load's reads; with `on`, dropping it waits for every
+/// one still in flight.
+struct Drain {
+    set: WaitSet,
+    on: bool,
+}
+
+impl Drop for Drain {
+    fn drop(&mut self) {
+        if self.on {
+            while self.set.wait().is_some() {}
+        }
     }
 }
 

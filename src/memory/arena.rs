@@ -177,6 +177,10 @@ struct Mapping {
     /// The process that mapped it: in a forked child a `MADV_DONTFORK`
     /// region is not mapped at all.
     origin: crate::fork::Origin,
+    /// An engine asked to register it as fixed buffers (whether or not
+    /// that succeeded): a read into it without a fixed buffer is then a
+    /// fallback, not a choice.
+    register_asked: std::sync::atomic::AtomicBool,
 }
 
 impl Mapping {
@@ -203,6 +207,7 @@ impl Mapping {
             node,
             on_release: Mutex::new(Vec::new()),
             origin: crate::fork::Origin::here(),
+            register_asked: std::sync::atomic::AtomicBool::new(false),
         })
     }
 }
@@ -407,6 +412,13 @@ impl Arena {
             Carve::Fixed { spec, .. } => *spec,
             Carve::Packed { align, .. } => SlotSpec::new(0).with_align(*align),
         }
+    }
+
+    /// Records that an engine asks to register this arena (called before
+    /// it tries, so a refusal still counts the arena's plain reads as a
+    /// fallback).
+    pub(crate) fn mark_register_asked(&self) {
+        self.map.register_asked.store(true, Ordering::Relaxed);
     }
 
     /// Identity of this arena (unique in the process).
@@ -1013,6 +1025,12 @@ impl Slot {
     /// Identity of the arena this slot belongs to (unique in the process).
     pub fn arena_id(&self) -> u64 {
         self.map.id
+    }
+
+    /// Whether an engine asked to register this slot's arena
+    /// ([`Arena::mark_register_asked`]).
+    pub(crate) fn register_asked(&self) -> bool {
+        self.map.register_asked.load(Ordering::Relaxed)
     }
 
     /// The NUMA node of this slot's arena (see [`Arena::node`]).
