@@ -28,6 +28,8 @@ use std::sync::Arc;
 
 mod devices;
 mod hwloc;
+#[cfg(feature = "numa")]
+mod one_node;
 
 pub(crate) use devices::parse_list;
 #[cfg(any(feature = "numa", test))]
@@ -124,8 +126,9 @@ impl Provider {
     /// The provider a configuration asks for: [`SingleNode`] when `off`, the
     /// XML topology at `xml` (device aliases from `device_map`, see
     /// `parse_device_map`), else the live system (built once per
-    /// process) when more than one node is online, [`SingleNode`] when only
-    /// one is. Falls back to [`SingleNode`] with one warning when hwloc
+    /// process) when more than one node is online; with one node online,
+    /// node 0 with its CPUs from sysfs (`one_node`: what hwloc answers
+    /// there, without its 10 ms topology build). Falls back to [`SingleNode`] with one warning when hwloc
     /// fails or the `numa` feature is off. (`WEIGHTSTREAM_NUMA`,
     /// `WEIGHTSTREAM_NUMA_XML` and `WEIGHTSTREAM_NUMA_DEVICE_MAP` are read by
     /// the configuration, which calls this.)
@@ -141,8 +144,11 @@ impl Provider {
         // nothing to place, and building hwloc's topology (10 ms, the
         // largest part of Engine::new on such a machine, measured) would
         // only say so.
-        if cfg!(feature = "numa") && one_node_online() {
-            return Provider::off(ONE_NODE);
+        #[cfg(feature = "numa")]
+        if one_node_online() {
+            if let Some(p) = one_node::OneNode::from_sysfs() {
+                return Provider::new(p);
+            }
         }
         hwloc::live_or_fallback(aliases)
     }
@@ -153,9 +159,10 @@ impl Provider {
     }
 }
 
-/// Why a machine with one NUMA node online places nothing.
+/// What a machine with one NUMA node online says of every drive.
+#[cfg(feature = "numa")]
 pub(crate) const ONE_NODE: &str =
-    "one NUMA node online (/sys/devices/system/node/online): nothing to place, hwloc not consulted";
+    "one NUMA node online (/sys/devices/system/node/online): node 0, its CPUs from sysfs, hwloc not consulted";
 
 /// `vda=nvme0n1,loop3=nvme1n1` -> aliases (real device name or `MAJ:MIN`
 /// -> the OS device name in the topology). For testing with XML topologies.
@@ -233,6 +240,7 @@ pub(crate) fn online_nodes() -> usize {
 
 /// Whether `/sys/devices/system/node/online` says exactly one node is
 /// online (false when it cannot be read: then hwloc is asked).
+#[cfg(feature = "numa")]
 fn one_node_online() -> bool {
     online_node_count() == Some(1)
 }
