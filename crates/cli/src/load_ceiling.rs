@@ -198,7 +198,9 @@ pub fn measure(dir: &Path, model: &Model, cfg: &LoadCeilingConfig) -> Result<Loa
     let read = read_part(fio_all, bytes);
 
     let fault = fault_part(bytes, ceiling::cpus(), cfg.fault_rounds.max(1))?;
-    let cpus = ceiling::cpus();
+    // Busy time is summed over every online CPU (/proc/stat), so it is
+    // spread over as many (not over this process's affinity mask).
+    let cpus = ceiling::machine_cpus();
     let busy = read.busy_cpu_seconds + fault.busy_cpu_seconds;
     let cpu = CpuPart {
         seconds: busy / cpus as f64,

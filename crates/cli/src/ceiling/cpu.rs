@@ -80,6 +80,23 @@ fn clock_ticks_per_second() -> f64 {
     }
 }
 
+/// CPUs the machine-wide busy time of [`machine_busy_seconds`] is summed
+/// over: the `cpuN` lines of `/proc/stat` (online CPUs), at least 1.
+pub fn machine_cpus() -> usize {
+    std::fs::read_to_string("/proc/stat").map_or(1, |t| machine_cpus_of(&t))
+}
+
+/// What [`machine_cpus`] counts in `/proc/stat`'s text.
+pub fn machine_cpus_of(stat: &str) -> usize {
+    stat.lines()
+        .filter(|l| {
+            l.strip_prefix("cpu")
+                .is_some_and(|r| r.starts_with(|c: char| c.is_ascii_digit()))
+        })
+        .count()
+        .max(1)
+}
+
 /// CPUs this process may run on (the affinity mask), at least 1.
 pub fn cpus() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
@@ -101,5 +118,8 @@ mod tests {
         );
         assert_eq!(busy_seconds_of("cpu  1 2 3\n", 100.0), None, "too few columns");
         assert!(machine_busy_seconds().is_some_and(|s| s > 0.0));
+        assert_eq!(machine_cpus_of(stat), 1);
+        assert_eq!(machine_cpus_of("cpu  1\ncpu0 1\ncpu1 1\ncpu12 1\nintr 1\n"), 3);
+        assert!(machine_cpus() >= cpus().min(machine_cpus()));
     }
 }
