@@ -21,7 +21,11 @@ fio_args=${FIO_ARGS:---ioengine=io_uring --direct=1 --rw=read --bs=4M --iodepth=
 files=$(ls "$dir"/*.safetensors | tr '\n' ':' | sed 's/:$//')
 tmp=$(mktemp -d)
 out=$tmp/rows
-cold() { sync; echo 3 > /proc/sys/vm/drop_caches; }
+# shellcheck source=benches/machine.sh
+. benches/machine.sh
+machine_save
+trap machine_restore EXIT
+machine_quiet
 for r in $(seq 1 "$rounds"); do
     cold
     # shellcheck disable=SC2086

@@ -34,7 +34,11 @@ ws=${WS_BIN:-target/release/weightstream}
 # it even when WS_BIN is an older one (which may have no load-ceiling).
 ceiling_ws=${CEILING_BIN:-target/release/weightstream}
 mkdir -p "$out"
-cold() { sync; echo 3 > /proc/sys/vm/drop_caches; }
+# shellcheck source=benches/machine.sh
+. benches/machine.sh
+machine_save
+trap machine_restore EXIT
+machine_quiet
 
 cold
 "$ceiling_ws" load-ceiling "$dir" --json > "$out/ceiling.json"

@@ -49,30 +49,16 @@ ws=$root/target/release/weightstream
 mkdir -p "$out"
 export SIMDRIVES_BASE=/tmp/ws-load-bench
 
-old_huge=$(cat /proc/sys/vm/nr_hugepages)
-# Free page reporting (a VM's guest tells its host which pages are free; the
-# host drops them, and the next first touch of such a page is an EPT fault
-# and a clear on the host: clear_page was 91% of a load that took 4.1 s of
-# CPU instead of 0.1 s). Which arm pays it depends on the reporting
-# worker's timing, not on the arm. Off for the run (order 11: no free block
-# that large), restored after. Bare metal has no such parameter.
-reporting=/sys/module/page_reporting/parameters/page_reporting_order
-old_reporting=$(cat "$reporting" 2>/dev/null || true)
+# shellcheck source=benches/machine.sh
+. benches/machine.sh
+machine_save
 cleanup() {
     "$simdrives" down >/dev/null 2>&1 || true
-    echo "$old_huge" > /proc/sys/vm/nr_hugepages
-    [ -n "$old_reporting" ] && echo "$old_reporting" > "$reporting"
-    return 0
+    machine_restore
 }
 trap cleanup EXIT
 cleanup
-echo 640 > /proc/sys/vm/nr_hugepages
-if [ -n "$old_reporting" ] && [ "${KEEP_PAGE_REPORTING:-0}" != 1 ]; then
-    echo 11 > "$reporting"
-    echo "free page reporting off for the run (page_reporting_order $old_reporting -> 11; KEEP_PAGE_REPORTING=1 keeps it)"
-fi
-
-cold() { sync; echo 3 > /proc/sys/vm/drop_caches; }
+machine_quiet
 
 for kind in $kinds; do
     case $kind in

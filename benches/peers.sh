@@ -97,13 +97,9 @@ out=$(cd "$out" && pwd)
 # Our own base and cgroup: another run's drives are left alone.
 export SIMDRIVES_BASE=/tmp/ws-peers-bench SIMDRIVES_CGROUP=ws-peers-bench
 
-old_huge=$(cat /proc/sys/vm/nr_hugepages)
-# Free page reporting off for the run (order 11: no free block that large),
-# restored after: see benches/load.sh (a page the guest reported comes back
-# as an EPT fault and a clear on the host, charged to whichever arm touches
-# it first). Bare metal has no such parameter.
-reporting=/sys/module/page_reporting/parameters/page_reporting_order
-old_reporting=$(cat "$reporting" 2>/dev/null || true)
+# shellcheck source=benches/machine.sh
+. benches/machine.sh
+machine_save
 drives_down() {
     # Only drives under our base: given a base with no drives, simdrives
     # falls back to the base in /tmp/.simdrives_base, someone else's.
@@ -112,19 +108,11 @@ drives_down() {
 }
 cleanup() {
     drives_down
-    echo "$old_huge" > /proc/sys/vm/nr_hugepages
-    [ -n "$old_reporting" ] && echo "$old_reporting" > "$reporting"
-    return 0
+    machine_restore
 }
 trap cleanup EXIT
 cleanup
-echo 640 > /proc/sys/vm/nr_hugepages
-if [ -n "$old_reporting" ] && [ "${KEEP_PAGE_REPORTING:-0}" != 1 ]; then
-    echo 11 > "$reporting"
-    echo "free page reporting off for the run (page_reporting_order $old_reporting -> 11; KEEP_PAGE_REPORTING=1 keeps it)"
-fi
-
-cold() { sync; echo 3 > /proc/sys/vm/drop_caches; }
+machine_quiet
 
 # Every free page touched once with reporting off: a page this VM reported
 # to its host before comes back as a slow first touch (0.59 GB/s measured,

@@ -1,0 +1,38 @@
+# Sourced by the benchmark scripts (bash): a cold cache, and the machine
+# made quiet for a run and put back as it was after.
+#
+#   machine_save      remember vm.nr_hugepages and free page reporting
+#   machine_quiet     640 huge pages in the hugetlb pool (fio's and the
+#                     ceiling's buffers), free page reporting off (order 11:
+#                     no free block that large) unless KEEP_PAGE_REPORTING=1
+#   machine_restore   both as machine_save found them
+#   cold              sync; drop the page cache
+#
+# Free page reporting: a VM's guest tells its host which pages are free; the
+# host drops them, and the next first touch of such a page is an EPT fault
+# and a clear on the host (clear_page was 91% of a load that took 4.1 s of
+# CPU instead of 0.1 s). Which arm pays it depends on the reporting worker's
+# timing, not on the arm. Bare metal has no such parameter.
+
+reporting=/sys/module/page_reporting/parameters/page_reporting_order
+
+cold() { sync; echo 3 > /proc/sys/vm/drop_caches; }
+
+machine_save() {
+    old_huge=$(cat /proc/sys/vm/nr_hugepages)
+    old_reporting=$(cat "$reporting" 2>/dev/null || true)
+}
+
+machine_restore() {
+    echo "$old_huge" > /proc/sys/vm/nr_hugepages
+    [ -n "$old_reporting" ] && echo "$old_reporting" > "$reporting"
+    return 0
+}
+
+machine_quiet() {
+    echo 640 > /proc/sys/vm/nr_hugepages
+    if [ -n "$old_reporting" ] && [ "${KEEP_PAGE_REPORTING:-0}" != 1 ]; then
+        echo 11 > "$reporting"
+        echo "free page reporting off for the run (page_reporting_order $old_reporting -> 11; KEEP_PAGE_REPORTING=1 keeps it)"
+    fi
+}
