@@ -182,13 +182,11 @@ pub fn measure(dir: &Path, model: &Model, cfg: &LoadCeilingConfig) -> Result<Loa
                 .map_err(|e| Error::io(p, "stat", e))
         })
     };
-    let largest_drive = drives
+    let drive_bytes = drives
         .iter()
         .map(|(_, f)| file_bytes(f))
-        .collect::<Result<Vec<u64>>>()?
-        .into_iter()
-        .max()
-        .unwrap_or(0);
+        .collect::<Result<Vec<u64>>>()?;
+    let largest_drive = drive_bytes.iter().copied().max().unwrap_or(0);
     // Each invocation reads the files through once (fio's --io_size is per
     // drive here), unless the time bound stops it first.
     let mut sweep = cfg.fio.clone();
@@ -210,8 +208,7 @@ pub fn measure(dir: &Path, model: &Model, cfg: &LoadCeilingConfig) -> Result<Loa
     let (seconds, bound) = bound_of(read.seconds, fault.seconds, cpu.seconds);
 
     let mut per_drive = Vec::with_capacity(drives.len());
-    for (device, files) in &drives {
-        let fb = file_bytes(files)?;
+    for ((device, files), &fb) in drives.iter().zip(&drive_bytes) {
         let (read_gbps, read_busy_per_byte) = if drives.len() == 1 {
             (read.gbps, read.busy_cpu_seconds / bytes as f64)
         } else {
