@@ -3,7 +3,12 @@
 
 Usage: benches/true-ceiling-table.py OUT_DIR > OUT_DIR/table.md
 Every figure is a median of the interleaved runs; ratios are to fio's best
-(and the ceiling's) measured in the same runs. GB = 10^9 bytes."""
+(and the ceiling's) measured in the same runs. With `--sweep-figure rerun`
+(bench's default) fio's and the ceiling's figure per run is the sweep's best
+configuration run again alone; "per run" is the median of each run's own
+engine/fio ratio, and "/ sweep max" the engine's median over the median of
+the sweeps' largest figures (a maximum of 8 runs each: biased up). GB = 10^9
+bytes."""
 import json
 import pathlib
 import sys
@@ -23,8 +28,8 @@ def load(p):
     return json.loads(t[t.index("{"):])
 
 
-print("| drive | c | ceiling GB/s | fio best GB/s | ceiling/fio | engine GB/s | engine/fio | pread GB/s | pread/fio | engine CPU s/GB | fio CPU s/GB | engine p50 / p99 ms |")
-print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+print("| drive | c | ceiling GB/s | fio best GB/s | ceiling/fio | engine GB/s | engine/fio | engine/fio per run | engine / fio sweep max | engine/ceiling | pread GB/s | pread/fio | engine/pread | engine CPU s/GB | fio CPU s/GB | engine p50 / p99 ms |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 notes = []
 for kind, what in KINDS:
     for c in (8, 1):
@@ -40,10 +45,23 @@ for kind, what in KINDS:
             return f"{x['gbps']:.3f} ({x['gbps_min']:.2f}-{x['gbps_max']:.2f})" if x else "-"
         def rf(x):
             return f"{x['gbps'] / fio_g:.2f}" if x and fio_g else "-"
+        def per_run(x, y):
+            if not x or not y:
+                return "-"
+            v = sorted(a["gbps"] / b["gbps"] for a, b in zip(x["runs"], y["runs"]) if b["gbps"] > 0)
+            if not v:
+                return "-"
+            n = len(v)
+            return f"{(v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2):.2f}"
+        smax = r.get("fio_sweep_max_gbps")
+        vs_max = f"{eng['gbps'] / smax:.2f} ({smax:.2f})" if eng and smax else "-"
+        vs_ceil = f"{eng['gbps'] / ceil['gbps']:.2f}" if eng and ceil and ceil["gbps"] else "-"
+        vs_pread = f"{eng['gbps'] / pr['gbps']:.2f}" if eng and pr and pr["gbps"] else "-"
         p50 = eng.get("p50_ms")
         p99 = eng.get("p99_ms")
         print(
-            f"| {kind} | {c} | {g(ceil)} | {g(fio)} | {rf(ceil)} | {g(eng)} | {rf(eng)} | {g(pr)} | {rf(pr)} | "
+            f"| {kind} | {c} | {g(ceil)} | {g(fio)} | {rf(ceil)} | {g(eng)} | {rf(eng)} | {per_run(eng, fio)} | {vs_max} | "
+            f"{vs_ceil} | {g(pr)} | {rf(pr)} | {vs_pread} | "
             f"{eng.get('cpu_s_per_gb', 0):.3f} | {fio.get('cpu_s_per_gb', 0):.3f} | "
             f"{p50 and round(p50, 2)} / {p99 and round(p99, 2)} |"
         )

@@ -277,6 +277,11 @@ pub(crate) enum Cmd {
         /// The ceiling reads into 4 KiB pages (as fio's default buffers) instead of huge pages.
         #[arg(long)]
         small_pages: bool,
+        /// The ceiling's and fio's figure per run: rerun (the sweep's best configuration run again
+        /// alone: one run, as every other arm gets) or max (the sweep's largest figure: a maximum of
+        /// 8 or 32 runs, biased up where runs vary).
+        #[arg(long, value_enum, default_value = "rerun")]
+        sweep_figure: crate::bench::SweepFigure,
         /// Interleaved runs (1 to 1000).
         #[arg(long, default_value_t = 3, value_parser = count(1, MAX_RUNS))]
         runs: usize,

@@ -173,6 +173,7 @@ fn run(cmd: Cmd) -> ExitCode {
             arms,
             sweep,
             small_pages,
+            sweep_figure,
             runs,
             concurrency,
             seed,
@@ -186,7 +187,7 @@ fn run(cmd: Cmd) -> ExitCode {
         } => commands::bench::bench_cmd(
             model_dir,
             arms,
-            (sweep, small_pages),
+            (sweep, small_pages, sweep_figure),
             (runs, concurrency, seed, passes, timeline_ms),
             filter,
             &engine,

@@ -253,11 +253,61 @@ fn the_fio_arm_reports_fios_best_beside_the_ceiling() {
     let configs = run["fio"]["configs"].as_array().unwrap();
     assert!(configs.len() >= 8, "every fio invocation is listed: {run:#}");
     assert!(run["ceiling"].is_null() && arms["ceiling"]["runs"][0]["ceiling"]["drives"].is_array());
+    // The figure is the sweep's best configuration run again (one run, as
+    // the engine's), and the sweep's own largest figure stays beside it.
+    assert_eq!(v["sweep_figure"], "rerun", "{v:#}");
+    assert_eq!(
+        run["sweep_max_gbps"].as_f64().unwrap(),
+        run["fio"]["gbps"].as_f64().unwrap(),
+        "{run:#}"
+    );
+    assert_eq!(run["config"], run["fio"]["best_label"], "{run:#}");
+    assert_eq!(
+        v["fio_sweep_max_gbps"].as_f64().unwrap(),
+        run["fio"]["gbps"].as_f64().unwrap()
+    );
+    let c = &arms["ceiling"]["runs"][0];
+    assert_eq!(
+        c["sweep_max_gbps"].as_f64().unwrap(),
+        c["ceiling"]["gbps"].as_f64().unwrap(),
+        "{c:#}"
+    );
+    assert!(c["gbps"].as_f64().unwrap() > 0.0, "{c:#}");
     assert!(v["warnings"].is_array(), "{v:#}");
     let notes = v["notes"].as_array().unwrap();
     assert!(
         notes.iter().all(|n| n.as_str().unwrap().contains("huge pages")),
         "the only note says the ceiling's buffers differ from fio's: {v:#}"
+    );
+}
+
+#[test]
+fn sweep_figure_max_reports_the_sweeps_largest_figure_itself() {
+    let Some((_tmp, dir)) = fio_model() else { return };
+    let (v, stderr) = common::run_json(&[
+        OsStr::new("bench"),
+        dir.as_os_str(),
+        OsStr::new("--arms"),
+        OsStr::new("ceiling,fio"),
+        OsStr::new("--runs"),
+        OsStr::new("1"),
+        OsStr::new("--sweep-figure"),
+        OsStr::new("max"),
+        OsStr::new("--json"),
+    ]);
+    assert_eq!(v["sweep_figure"], "max", "{v:#}\n{stderr}");
+    for arm in ["fio", "ceiling"] {
+        let run = &v["arms"][arm]["runs"][0];
+        assert!(run["sweep_max_gbps"].is_null(), "{run:#}");
+        assert_eq!(
+            run["gbps"].as_f64().unwrap(),
+            run[arm]["gbps"].as_f64().unwrap(),
+            "{run:#}"
+        );
+    }
+    assert!(
+        v["fio_sweep_max_gbps"].is_null() && v["ceiling_sweep_max_gbps"].is_null(),
+        "{v:#}"
     );
 }
 

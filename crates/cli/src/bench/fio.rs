@@ -179,6 +179,15 @@ impl FioSweep {
             huge_pages: ceiling.huge_pages,
         }
     }
+
+    /// The same bounds with `config` alone: the rerun of the sweep's best
+    /// configuration ([`crate::bench::SweepFigure`]).
+    pub fn only(&self, config: FioConfig) -> Self {
+        FioSweep {
+            configs: vec![config],
+            ..self.clone()
+        }
+    }
 }
 
 /// One invocation's figure. A failed or skipped one has `gbps` 0 and says

@@ -246,6 +246,16 @@ impl SweepConfig {
         v
     }
 
+    /// The same bounds with `config` alone: the rerun of a sweep's best
+    /// configuration (`bench`'s figure, [`crate::bench::SweepFigure`]).
+    pub fn only(&self, config: ReadConfig) -> Self {
+        SweepConfig {
+            configs: vec![config],
+            name: format!("{} (best rerun)", self.name),
+            ..self.clone()
+        }
+    }
+
     pub fn validate(&self) -> Result<()> {
         if self.configs.is_empty() {
             return Err(Error::Config("ceiling sweep: no configuration to try".into()));

@@ -19,7 +19,7 @@ const MAX_ORDER: usize = 1 << 24;
 pub(crate) fn bench_cmd(
     dir: PathBuf,
     arms: Vec<Arm>,
-    (sweep, small_pages): (SweepArg, bool),
+    (sweep, small_pages, sweep_figure): (SweepArg, bool, bench::SweepFigure),
     (runs, concurrency, seed, passes, timeline_ms): (usize, usize, u64, usize, Option<u64>),
     filter: String,
     eargs: &EngineArgs,
@@ -71,6 +71,7 @@ pub(crate) fn bench_cmd(
         ceiling,
         passes,
         timeline_ms,
+        sweep_figure,
     };
     let progress = Progress::new(!json && std::io::stderr().is_terminal(), runs);
     let mut progress = |arm: Arm, run: usize, f: f64| progress.show(arm.name(), run, f);
@@ -99,12 +100,24 @@ pub(crate) fn bench_cmd(
         r.concurrency,
         r.runs,
     );
-    println!("ceiling {:.3} GB/s ({})", r.ceiling_gbps, r.ceiling_config);
+    let max = |m: Option<f64>| m.map_or(String::new(), |m| format!("; the sweep's largest {m:.3} GB/s"));
+    println!(
+        "ceiling {:.3} GB/s ({}{})",
+        r.ceiling_gbps,
+        r.ceiling_config,
+        max(r.ceiling_sweep_max_gbps)
+    );
     if let (Some(f), Some(c)) = (r.fio_gbps, &r.fio_config) {
         println!(
-            "fio     {f:.3} GB/s ({c}; {}); ceiling / fio = {:.3}",
+            "fio     {f:.3} GB/s ({c}; {}{}); ceiling / fio = {:.3}",
             r.fio_version.as_deref().unwrap_or("fio"),
+            max(r.fio_sweep_max_gbps),
             r.ceiling_gbps / f.max(1e-12)
+        );
+    }
+    if r.sweep_figure == bench::SweepFigure::Rerun {
+        println!(
+            "(ceiling and fio: each run's best configuration, run again alone; --sweep-figure max for the largest)"
         );
     }
     println!(
