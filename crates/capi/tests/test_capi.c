@@ -1,0 +1,405 @@
+/* The C ABI's test suite, run under AddressSanitizer by ci/capi.
+ *
+ *   test_capi MODEL_DIR MIRROR_DIR SPLIT_PRIMARY SPLIT_EXTRA BAD_HEADER_DIR
+ *
+ * MODEL_DIR: a model; MIRROR_DIR: a full copy of its shards; SPLIT_PRIMARY
+ * and SPLIT_EXTRA: the same shards split over two folders; BAD_HEADER_DIR: a
+ * folder with one shard whose header is refused. Every byte read through the
+ * library is compared with the file's own bytes, read with pread (the naive
+ * oracle). Exit 0 when every check passed; each failure prints its line. */
+#define _GNU_SOURCE
+#include "weightstream.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+static int failures = 0;
+static int checks = 0;
+
+#define CHECK(cond, ...)                                                        \
+    do {                                                                        \
+        checks++;                                                               \
+        if (!(cond)) {                                                          \
+            failures++;                                                         \
+            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);     \
+            fprintf(stderr, __VA_ARGS__);                                       \
+            fprintf(stderr, " (last error: %s)\n", ws_last_error());            \
+        }                                                                       \
+    } while (0)
+
+#define EXPECT(call, want)                                                      \
+    do {                                                                        \
+        ws_status got_ = (call);                                                \
+        CHECK(got_ == (want), "%s returned %s, expected %s", #call,             \
+              ws_status_name(got_), ws_status_name(want));                      \
+    } while (0)
+
+static const char *model_dir;
+
+/* The oracle: the shard files of MODEL_DIR opened by the test itself, in
+ * name order (the library's shard order: `ws_tensor_info.shard`). A wrong
+ * file or offset cannot match the bytes. */
+#define MAX_SHARDS 64
+static int shard_fd[MAX_SHARDS];
+static int shard_count = 0;
+
+static int name_cmp(const void *a, const void *b) {
+    return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+static void open_shards(const char *dir) {
+    char cmd[4096];
+    snprintf(cmd, sizeof cmd, "ls '%s' | grep '\\.safetensors$'", dir);
+    FILE *p = popen(cmd, "r");
+    char *names[MAX_SHARDS];
+    char line[1024];
+    int n = 0;
+    while (p && n < MAX_SHARDS && fgets(line, sizeof line, p)) {
+        line[strcspn(line, "\n")] = 0;
+        names[n++] = strdup(line);
+    }
+    if (p) pclose(p);
+    qsort(names, (size_t)n, sizeof *names, name_cmp);
+    for (int i = 0; i < n; i++) {
+        char path[4096];
+        snprintf(path, sizeof path, "%s/%s", dir, names[i]);
+        shard_fd[i] = open(path, O_RDONLY | O_CLOEXEC);
+        free(names[i]);
+    }
+    shard_count = n;
+}
+
+/* The file's bytes [off, off + len) of shard `shard` into `out`. */
+static int oracle(uint32_t shard, uint64_t off, uint64_t len, unsigned char *out) {
+    if ((int)shard >= shard_count) return -1;
+    uint64_t done = 0;
+    while (done < len) {
+        ssize_t r = pread(shard_fd[shard], out + done, len - done, (off_t)(off + done));
+        if (r <= 0) return -1;
+        done += (uint64_t)r;
+    }
+    return 0;
+}
+
+static int same_as_file(const ws_tensor_info *t, uint64_t start, uint64_t len, const unsigned char *got) {
+    unsigned char *want = malloc(len ? len : 1);
+    int ok = oracle(t->shard, t->file_offset + start, len, want) == 0 && memcmp(want, got, len) == 0;
+    free(want);
+    return ok;
+}
+
+static void *page_memory(size_t len) {
+    void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return p == MAP_FAILED ? NULL : p;
+}
+
+static void test_errors(const char *bad_header_dir) {
+    ws_model m = {0};
+    CHECK((ws_abi_version() >> 16) == WS_ABI_VERSION_MAJOR, "ABI major %u", ws_abi_version() >> 16);
+    CHECK(strlen(ws_version()) > 0, "version");
+    EXPECT(ws_model_open(NULL, NULL, &m), WS_ERR_NULL);
+    EXPECT(ws_model_open(model_dir, NULL, NULL), WS_ERR_NULL);
+    EXPECT(ws_model_open("/nonexistent/weightstream-model", NULL, &m), WS_ERR_IO);
+    CHECK(strstr(ws_last_error(), "/nonexistent/weightstream-model") != NULL, "the message names the folder");
+    CHECK(strstr(ws_last_error(), "ws_model_open") == ws_last_error(), "the message names the call first");
+    ws_status s = ws_model_open(bad_header_dir, NULL, &m);
+    CHECK(s == WS_ERR_FORMAT, "bad header: %s", ws_status_name(s));
+    CHECK(strstr(ws_last_error(), ".safetensors") != NULL, "the message names the file");
+    ws_model_options o = ws_model_options_default();
+    o.route = "sideways";
+    EXPECT(ws_model_open(model_dir, &o, &m), WS_ERR_INVALID);
+    CHECK(strstr(ws_last_error(), "sideways") != NULL, "the message names the bad value");
+    o = ws_model_options_default();
+    o.struct_size = 8;
+    EXPECT(ws_model_open(model_dir, &o, &m), WS_ERR_INVALID);
+    ws_engine_options eo = ws_engine_options_default();
+    eo.queue_depth = 100000;
+    EXPECT(ws_model_open(model_dir, NULL, &m), WS_OK);
+    ws_engine e = {0};
+    EXPECT(ws_engine_create(m, &eo, &e), WS_ERR_INVALID);
+    eo = ws_engine_options_default();
+    eo.chunk_bytes = 1000;
+    EXPECT(ws_engine_create(m, &eo, &e), WS_ERR_INVALID);
+    EXPECT(ws_model_close(m), WS_OK);
+    EXPECT(ws_model_close(m), WS_ERR_HANDLE); /* double close */
+    ws_model zero = {0};
+    EXPECT(ws_model_close(zero), WS_ERR_HANDLE);
+    EXPECT(ws_engine_create(m, NULL, &e), WS_ERR_HANDLE); /* closed model */
+    CHECK(strcmp(ws_status_name(12345), "WS_UNKNOWN") == 0, "unknown status name");
+}
+
+/* Every tensor, whole, into one memory at the placement's offsets, in
+ * batches; then compared with the file. */
+static void read_all(ws_model m, ws_engine e, const char *what) {
+    size_t n = 0;
+    EXPECT(ws_model_tensor_count(m, &n), WS_OK);
+    CHECK(n > 0, "%s: tensors", what);
+    uint64_t biggest = 0;
+    for (size_t i = 0; i < n; i++) {
+        ws_tensor_info t;
+        EXPECT(ws_model_tensor(m, i, &t), WS_OK);
+        if (t.bytes > biggest) biggest = t.bytes;
+    }
+    size_t batch = 4;
+    size_t len = (size_t)(batch * (biggest + 3 * 4096) + 4096);
+    unsigned char *mem = page_memory(len);
+    ws_memory mh = {0};
+    EXPECT(ws_memory_register(e, mem, len, &mh), WS_OK);
+    size_t bad = 0;
+    for (size_t first = 0; first < n; first += batch) {
+        size_t k = n - first < batch ? n - first : batch;
+        size_t idx[8], at[8];
+        ws_read reads[8];
+        ws_ticket tickets[8];
+        for (size_t j = 0; j < k; j++) idx[j] = first + j;
+        EXPECT(ws_memory_placement(mh, idx, k, at), WS_OK);
+        for (size_t j = 0; j < k; j++) {
+            ws_read r = {.tensor = idx[j], .start = 0, .end = 0, .at = at[j], .scratch = WS_SCRATCH_BLOCKS, .flags = WS_READ_IN_PLACE};
+            reads[j] = r;
+        }
+        EXPECT(ws_read_batch(e, mh, reads, k, tickets), WS_OK);
+        for (size_t j = 0; j < k; j++) {
+            ws_read_result res;
+            EXPECT(ws_ticket_wait(tickets[j], UINT64_MAX, &res), WS_OK);
+            ws_tensor_info t;
+            ws_model_tensor(m, idx[j], &t);
+            CHECK(res.offset == at[j] && res.bytes == t.bytes, "%s: %s lands where asked", what, t.name);
+            if (!same_as_file(&t, 0, t.bytes, mem + res.offset)) bad++;
+        }
+    }
+    CHECK(bad == 0, "%s: %zu tensor(s) differ from the file", what, bad);
+    ws_stats st;
+    EXPECT(ws_engine_stats(e, &st), WS_OK);
+    CHECK(st.bytes > 0 && st.reads_direct > 0, "%s: stats count the reads (%llu bytes)", what, (unsigned long long)st.bytes);
+    CHECK(st.staged_reads == 0, "%s: placed reads are in place, never staged", what);
+    EXPECT(ws_memory_unregister(mh, 10000), WS_OK);
+    EXPECT(ws_memory_unregister(mh, 10000), WS_ERR_HANDLE);
+    munmap(mem, len);
+}
+
+static void test_layouts(const char *mirror_dir, const char *split_primary, const char *split_extra) {
+    ws_model m;
+    ws_engine e;
+    ws_model_options o = ws_model_options_default();
+    o.mirrors = mirror_dir;
+    o.route = "stripe";
+    EXPECT(ws_model_open(model_dir, &o, &m), WS_OK);
+    EXPECT(ws_engine_create(m, NULL, &e), WS_OK);
+    read_all(m, e, "mirrored");
+    ws_shutdown_report rep;
+    EXPECT(ws_engine_shutdown(e, 10000, &rep), WS_OK);
+    CHECK(rep.drained == 1 && rep.chunks_left == 0, "drained");
+    EXPECT(ws_engine_shutdown(e, 10000, &rep), WS_ERR_HANDLE);
+    EXPECT(ws_model_close(m), WS_OK);
+
+    o = ws_model_options_default();
+    o.dirs = split_extra;
+    EXPECT(ws_model_open(split_primary, &o, &m), WS_OK);
+    ws_engine_options eo = ws_engine_options_default();
+    eo.backend = "pread";
+    EXPECT(ws_engine_create(m, &eo, &e), WS_OK);
+    read_all(m, e, "split, pread backend");
+    EXPECT(ws_engine_shutdown(e, 10000, NULL), WS_OK);
+    EXPECT(ws_model_close(m), WS_OK);
+
+    o = ws_model_options_default();
+    EXPECT(ws_model_open(split_primary, &o, &m), WS_ERR_FORMAT); /* shards missing without the extra dir */
+}
+
+static void test_ranges_and_misuse(ws_model m, ws_engine e) {
+    size_t n = 0;
+    ws_model_tensor_count(m, &n);
+    ws_tensor_info t = {0};
+    /* The largest tensor: at least two blocks, for the boundary cases. */
+    for (size_t i = 0; i < n; i++) {
+        ws_tensor_info x;
+        ws_model_tensor(m, i, &x);
+        if (x.bytes > t.bytes) t = x;
+    }
+    ws_tensor_info found;
+    EXPECT(ws_model_find(m, t.name, &found), WS_OK);
+    CHECK(found.index == t.index && found.bytes == t.bytes, "find by name");
+    EXPECT(ws_model_find(m, "no.such.tensor", &found), WS_ERR_NOT_FOUND);
+    EXPECT(ws_model_find(m, NULL, &found), WS_ERR_NULL);
+    ws_tensor_info none;
+    EXPECT(ws_model_tensor(m, n, &none), WS_ERR_NOT_FOUND);
+
+    size_t align = 0;
+    EXPECT(ws_engine_direct_align(e, &align), WS_OK);
+    CHECK(align >= 4096 && (align & (align - 1)) == 0, "align %zu", align);
+    size_t len = (size_t)t.bytes + 4 * 4096;
+    unsigned char *mem = page_memory(len);
+    ws_memory mh;
+    EXPECT(ws_memory_register(e, mem + 1, 4096, &mh), WS_ERR_MISALIGNED);
+    EXPECT(ws_memory_register(e, NULL, 4096, &mh), WS_ERR_NULL);
+    EXPECT(ws_memory_register(e, mem, 0, &mh), WS_ERR_TOO_SMALL);
+    EXPECT(ws_memory_register(e, mem, len, &mh), WS_OK);
+
+    struct { uint64_t start, end; size_t at; } cases[] = {
+        {0, 1, 0},                          /* the first byte */
+        {t.bytes - 1, t.bytes, 7},          /* the last byte, at an odd place */
+        {4090, 4102, 13},                   /* across a 4096 boundary */
+        {0, 0, 1},                          /* the whole tensor, out of phase: staged */
+        {4096, t.bytes, 4096 * 2 + 5},      /* all but the first block */
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        ws_read r = {.tensor = t.index, .start = cases[c].start, .end = cases[c].end, .at = cases[c].at, .scratch = WS_SCRATCH_NONE, .flags = 0};
+        ws_ticket tk;
+        memset(mem, 0xA5, len);
+        EXPECT(ws_read_into(e, mh, &r, &tk), WS_OK);
+        ws_read_result res;
+        EXPECT(ws_ticket_wait(tk, UINT64_MAX, &res), WS_OK);
+        uint64_t s = cases[c].start, l = (cases[c].end ? cases[c].end : t.bytes) - s;
+        CHECK(res.offset == cases[c].at && res.bytes == l, "range %zu: offset %zu bytes %llu", c, res.offset, (unsigned long long)res.bytes);
+        CHECK(same_as_file(&t, s, l, mem + res.offset), "range %zu: bytes equal the file's", c);
+        /* Nothing but the payload is written with WS_SCRATCH_NONE. */
+        int clean = 1;
+        for (size_t i = 0; i < len; i++)
+            if ((i < res.offset || i >= res.offset + l) && mem[i] != 0xA5) { clean = 0; break; }
+        CHECK(clean, "range %zu: bytes around the payload untouched", c);
+        EXPECT(ws_ticket_wait(tk, 0, &res), WS_ERR_HANDLE); /* waited twice */
+        EXPECT(ws_ticket_free(tk), WS_ERR_HANDLE);
+    }
+    ws_read past = {.tensor = t.index, .start = 0, .end = t.bytes + 1, .at = 0, .scratch = WS_SCRATCH_NONE, .flags = 0};
+    ws_ticket tk;
+    EXPECT(ws_read_into(e, mh, &past, &tk), WS_ERR_INVALID); /* past the end */
+    ws_read empty = {.tensor = t.index, .start = 5, .end = 5, .at = 0, .scratch = WS_SCRATCH_NONE, .flags = 0};
+    EXPECT(ws_read_into(e, mh, &empty, &tk), WS_ERR_INVALID);
+    ws_read big = {.tensor = t.index, .start = 0, .end = 0, .at = len - 1, .scratch = WS_SCRATCH_NONE, .flags = 0};
+    EXPECT(ws_read_into(e, mh, &big, &tk), WS_ERR_TOO_SMALL); /* buffer too small */
+    ws_read nope = {.tensor = n + 3, .start = 0, .end = 0, .at = 0, .scratch = WS_SCRATCH_NONE, .flags = 0};
+    EXPECT(ws_read_into(e, mh, &nope, &tk), WS_ERR_NOT_FOUND);
+    size_t phase = (size_t)(t.file_offset % align);
+    ws_read off = {.tensor = t.index, .start = 0, .end = 0, .at = phase + 1, .scratch = WS_SCRATCH_BEFORE, .flags = WS_READ_IN_PLACE};
+    EXPECT(ws_read_into(e, mh, &off, &tk), WS_ERR_MISALIGNED); /* out of phase where it matters */
+    EXPECT(ws_read_into(e, mh, NULL, &tk), WS_ERR_NULL);
+
+    /* The in-place convention: a window reserving off % align bytes. */
+    ws_read inplace = {.tensor = t.index, .start = 0, .end = 0, .at = phase + align, .scratch = WS_SCRATCH_BEFORE, .flags = WS_READ_IN_PLACE};
+    ws_stats before, after;
+    ws_engine_stats(e, &before);
+    EXPECT(ws_read_into(e, mh, &inplace, &tk), WS_OK);
+    /* A close with a read in flight (or not yet collected) is refused. */
+    EXPECT(ws_memory_unregister(mh, 0), WS_ERR_BUSY);
+    EXPECT(ws_engine_shutdown(e, 0, NULL), WS_ERR_BUSY);
+    /* The same bytes while the read holds them. */
+    ws_ticket tk2;
+    ws_status s = ws_read_into(e, mh, &inplace, &tk2);
+    CHECK(s == WS_ERR_BUSY || s == WS_OK, "overlap: %s", ws_status_name(s));
+    if (s == WS_OK) ws_ticket_wait(tk2, UINT64_MAX, NULL); /* the first one had completed already */
+    /* Completion through an eventfd. */
+    int efd = eventfd(0, EFD_CLOEXEC);
+    EXPECT(ws_ticket_notify(tk, efd), WS_OK);
+    struct pollfd pfd = {.fd = efd, .events = POLLIN};
+    CHECK(poll(&pfd, 1, 60000) == 1, "the eventfd became readable");
+    uint64_t v = 0;
+    CHECK(read(efd, &v, sizeof v) == sizeof v && v >= 1, "eventfd count %llu", (unsigned long long)v);
+    ws_read_result res;
+    EXPECT(ws_ticket_poll(tk, &res), WS_OK);
+    CHECK(same_as_file(&t, 0, t.bytes, mem + res.offset), "in-place read equals the file");
+    ws_engine_stats(e, &after);
+    CHECK(after.staged_reads == before.staged_reads, "the in-place read was not staged");
+    EXPECT(ws_ticket_poll(tk, &res), WS_ERR_HANDLE);
+    close(efd);
+    EXPECT(ws_ticket_notify(tk, 0), WS_ERR_HANDLE);
+
+    /* A ticket freed while in flight: unregister waits for the kernel. */
+    EXPECT(ws_read_into(e, mh, &inplace, &tk), WS_OK);
+    EXPECT(ws_ticket_free(tk), WS_OK);
+    EXPECT(ws_ticket_free(tk), WS_ERR_HANDLE);
+    s = ws_memory_unregister(mh, 60000);
+    CHECK(s == WS_OK, "unregister after a freed ticket: %s", ws_status_name(s));
+    munmap(mem, len);
+
+    char *json = NULL;
+    EXPECT(ws_engine_stats_json(e, &json), WS_OK);
+    CHECK(json && strstr(json, "\"drives\"") != NULL, "stats JSON");
+    ws_string_free(json);
+    int clean = 0;
+    EXPECT(ws_model_verify(m, 1, &clean, &json), WS_OK);
+    CHECK(clean == 1 && json && strstr(json, "sha256") != NULL, "verify with digests: clean");
+    ws_string_free(json);
+}
+
+struct worker {
+    ws_model m;
+    ws_engine e;
+    int id;
+    size_t bad, reads;
+};
+
+/* 8 threads, each its own memory, every tensor whose index is its id mod 8,
+ * submitted and waited concurrently with the others. */
+static void *worker_main(void *arg) {
+    struct worker *w = arg;
+    size_t n = 0;
+    ws_model_tensor_count(w->m, &n);
+    for (size_t i = (size_t)w->id; i < n; i += 8) {
+        ws_tensor_info t;
+        ws_model_tensor(w->m, i, &t);
+        size_t len = (size_t)t.bytes + 2 * 4096;
+        len = (len + 4095) & ~(size_t)4095;
+        unsigned char *mem = page_memory(len);
+        ws_memory mh;
+        if (ws_memory_register(w->e, mem, len, &mh) != WS_OK) { w->bad++; continue; }
+        ws_read r = {.tensor = i, .start = 0, .end = 0, .at = (size_t)(t.file_offset % 4096), .scratch = WS_SCRATCH_BEFORE, .flags = 0};
+        ws_ticket tk;
+        ws_read_result res;
+        if (ws_read_into(w->e, mh, &r, &tk) != WS_OK || ws_ticket_wait(tk, UINT64_MAX, &res) != WS_OK ||
+            !same_as_file(&t, 0, t.bytes, mem + res.offset))
+            w->bad++;
+        w->reads++;
+        if (ws_memory_unregister(mh, 60000) != WS_OK) w->bad++;
+        munmap(mem, len);
+    }
+    return NULL;
+}
+
+static void test_threads(ws_model m, ws_engine e) {
+    pthread_t th[8];
+    struct worker w[8];
+    for (int i = 0; i < 8; i++) {
+        w[i] = (struct worker){.m = m, .e = e, .id = i};
+        pthread_create(&th[i], NULL, worker_main, &w[i]);
+    }
+    size_t bad = 0, reads = 0;
+    for (int i = 0; i < 8; i++) {
+        pthread_join(th[i], NULL);
+        bad += w[i].bad;
+        reads += w[i].reads;
+    }
+    size_t n = 0;
+    ws_model_tensor_count(m, &n);
+    CHECK(bad == 0 && reads == n, "8 threads: %zu of %zu reads bad", bad, reads);
+}
+
+int main(int argc, char **argv) {
+    if (argc != 6) {
+        fprintf(stderr, "usage: %s MODEL_DIR MIRROR_DIR SPLIT_PRIMARY SPLIT_EXTRA BAD_HEADER_DIR\n", argv[0]);
+        return 2;
+    }
+    model_dir = argv[1];
+    open_shards(model_dir);
+    test_errors(argv[5]);
+    test_layouts(argv[2], argv[3], argv[4]);
+    ws_model m;
+    ws_engine e;
+    EXPECT(ws_model_open(model_dir, NULL, &m), WS_OK);
+    EXPECT(ws_engine_create(m, NULL, &e), WS_OK);
+    test_ranges_and_misuse(m, e);
+    test_threads(m, e);
+    EXPECT(ws_model_close(m), WS_OK); /* the engine keeps what it needs */
+    ws_shutdown_report rep;
+    EXPECT(ws_engine_shutdown(e, 10000, &rep), WS_OK);
+    CHECK(rep.drained == 1, "drained at the end");
+    printf("test_capi: %d checks, %d failed\n", checks, failures);
+    return failures ? 1 : 0;
+}
