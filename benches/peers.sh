@@ -62,7 +62,7 @@
 # weightstream; default: cargo build --release, target/release/weightstream),
 # WS_BEFORE_BIN (an older build's binary: its `load` runs as the arm
 # weightstream-before),
-# WS_PEERS_VENV (the arms' venv, made by benches/peers/venv.sh when
+# ARMS (a subset of the arms above, space separated), WS_PEERS_VENV (the arms' venv, made by benches/peers/venv.sh when
 # missing), ARM_TIMEOUT (seconds per arm run, default 900), WARMUP (1, or 0
 # for none), KEEP_PAGE_REPORTING=1 (leave free page reporting as it is).
 set -euo pipefail
@@ -75,7 +75,8 @@ rounds=${ROUNDS:-5}
 size=${SIZE:-1.91e9}
 arm_timeout=${ARM_TIMEOUT:-900}
 out=${1:-docs/benchmarks/$(date +%F)-peers}
-arms=(weightstream weightstream-reused fresh-read safetensors runai fastsafetensors)
+# ARMS: a subset of the arms, space separated (default all of them).
+read -r -a arms <<< "${ARMS:-weightstream weightstream-reused fresh-read safetensors runai fastsafetensors}"
 # WS_BEFORE_BIN: another build's `weightstream load` as one more arm (a
 # before/after in the same interleaved run).
 [ -z "${WS_BEFORE_BIN:-}" ] || arms+=(weightstream-before)
