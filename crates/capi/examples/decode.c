@@ -8,7 +8,9 @@
  *
  * VERIFY 1 compares every payload with the file's bytes (pread) after the
  * clock; 0 only reads. Prints one line: steps, bytes, seconds, GB/s, CPU
- * seconds per GB (this process, I/O threads included). Build:
+ * seconds per GB (this process, I/O threads included). Its twin in Rust,
+ * examples/decode.rs, reads the same experts in the same order through
+ * the Rust API (benches/capi-decode.sh runs both, interleaved). Build:
  *   cc decode.c $(pkg-config --cflags --libs weightstream) -o decode */
 #define _GNU_SOURCE
 #include <weightstream.h>
@@ -118,7 +120,9 @@ int main(int argc, char **argv) {
     ws_memory mem;
     TRY(ws_memory_register(engine, buf, len, &mem));
 
-    unsigned int seed = 1;
+    /* The router: a 64-bit LCG (Knuth's MMIX constants), the same in the
+     * Rust twin (examples/decode.rs), so both read the same experts. */
+    uint64_t seed = 1;
     uint64_t bytes = 0;
     size_t bad = 0, checked = 0;
     double cpu0 = cpu(), t0 = now(), busy = 0;
@@ -129,7 +133,8 @@ int main(int argc, char **argv) {
             for (int j = 0; j < k && j < 64; j++) {
                 int e, dup;
                 do {
-                    e = (int)(rand_r(&seed) % (unsigned)experts);
+                    seed = seed * 6364136223846793005ULL + 1442695040888963407ULL;
+                    e = (int)((seed >> 33) % (uint64_t)experts);
                     dup = 0;
                     for (int q = 0; q < j; q++) dup |= pick[q] == e;
                 } while (dup);
