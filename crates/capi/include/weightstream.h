@@ -49,6 +49,12 @@
 // phase is `WS_ERR_MISALIGNED` instead of a staged copy.
 #define WS_READ_IN_PLACE 1
 
+// `ws_read.flags`: after the read completes, its bytes stay reserved (no
+// other read may land on them: `WS_ERR_BUSY`) until `ws_ticket_free`;
+// poll and wait return the result without spending the ticket. What
+// `ws_read_any` always does.
+#define WS_READ_HOLD 2
+
 // What a call did. `WS_OK` and the two non-errors (`WS_PENDING`,
 // `WS_TIMEOUT`) are zero or positive; every error is negative and leaves a
 // message for `ws_last_error` on the calling thread.
@@ -217,6 +223,11 @@ typedef struct {
   size_t offset;
   // Payload bytes read.
   uint64_t bytes;
+  // The payload's first byte. In caller memory it stays valid as the
+  // memory does; in an engine arena (`ws_arena_create*`) while the
+  // arena is open, and (`WS_READ_HOLD`, `ws_read_any`) while the ticket
+  // is held.
+  void *data;
 } ws_read_result;
 
 // A summary of an engine's counters (`ws_engine_stats_json` has them all).
@@ -382,11 +393,12 @@ ws_status ws_memory_unregister(ws_memory memory, uint64_t timeout_ms);
 // `tensors` holds `n` indexes; `offsets` is valid for `n` writes.
 ws_status ws_memory_placement(ws_memory memory, const size_t *tensors, size_t n, size_t *offsets);
 
-// Starts one read into caller memory: the payload (or bytes
-// `[start, end)` of it) lands at offset `at` of `memory`. Returns at once
-// with a ticket; collect it with `ws_ticket_poll` / `ws_ticket_wait`, or
-// drop it with `ws_ticket_free`. Until then the caller must not touch
-// those bytes. A range overlapping a read in flight is `WS_ERR_BUSY`.
+// Starts one read into caller memory (or a packed engine arena): the
+// payload (or bytes `[start, end)` of it) lands at offset `at` of
+// `memory`. Returns at once with a ticket; collect it with
+// `ws_ticket_poll` / `ws_ticket_wait`, or drop it with `ws_ticket_free`.
+// Until then the caller must not touch those bytes. A range overlapping
+// a read in flight (or a held ticket's bytes) is `WS_ERR_BUSY`.
 //
 // Thread safety: any number of threads may submit at once, to one engine
 // and one memory (distinct ranges).
@@ -394,6 +406,20 @@ ws_status ws_memory_placement(ws_memory memory, const size_t *tensors, size_t n,
 // # Safety
 // `read` points to a `ws_read`; `ticket` is valid for a write.
 ws_status ws_read_into(ws_engine engine, ws_memory memory, const ws_read *read, ws_ticket *ticket);
+
+// Starts one read to a place the engine picks: in a packed memory
+// (caller memory or `ws_arena_create`), the lowest free run of whole
+// blocks in phase (in place, O_DIRECT); in an arena of fixed slots
+// (`ws_arena_create_slots`), a free slot. Only `read->tensor`,
+// `read->start` and `read->end` are used (`at`, `scratch` and `flags` must
+// be 0). The ticket always holds its bytes (as `WS_READ_HOLD`): collect
+// the result with poll or wait (`result.offset`, `result.data`), use the
+// payload, then `ws_ticket_free` gives the place back. No free place is
+// `WS_ERR_BUSY`; a slot too small for the tensor is `WS_ERR_TOO_SMALL`.
+//
+// # Safety
+// `read` points to a `ws_read`; `ticket` is valid for a write.
+ws_status ws_read_any(ws_engine engine, ws_memory memory, const ws_read *read, ws_ticket *ticket);
 
 // Starts `n` reads (as `ws_read_into`, one ticket each in `tickets`). All
 // or nothing: when read k is refused, the k reads already started are
@@ -410,8 +436,9 @@ ws_status ws_read_batch(ws_engine engine,
                         ws_ticket *tickets);
 
 // `WS_OK` (and `*result`, if not NULL) when the read is done, the ticket
-// then spent; `WS_PENDING` when it is still in flight; the read's error
-// (the ticket spent) when it failed. Never blocks.
+// then spent (unless it holds its bytes: `WS_READ_HOLD`, `ws_read_any`);
+// `WS_PENDING` when it is still in flight; the read's error (the ticket
+// spent) when it failed. Never blocks.
 //
 // # Safety
 // `result` is NULL or valid for a write.
@@ -439,12 +466,33 @@ ws_status ws_ticket_is_done(ws_ticket ticket, int *done);
 // own and may close it any time. A later call replaces the earlier fd.
 ws_status ws_ticket_notify(ws_ticket ticket, int fd);
 
-// Drops a ticket without collecting it. A read still in flight completes
-// later; until it does, its bytes of memory stay busy (and
-// `ws_memory_unregister` waits for them). A second free is
-// `WS_ERR_HANDLE`; so is a free while another thread waits on it
-// (`WS_ERR_BUSY`).
+// Drops a ticket. Not yet collected: a read still in flight completes
+// later, and until it does its bytes of memory stay busy (and
+// `ws_memory_unregister` waits for them). Holding its bytes
+// (`WS_READ_HOLD`, `ws_read_any`): gives them back. A second free is
+// `WS_ERR_HANDLE`; a free while another thread waits on the ticket is
+// `WS_ERR_BUSY`.
 ws_status ws_ticket_free(ws_ticket ticket);
+
+// An arena the engine owns: `bytes` of page-aligned memory (2 MiB pages
+// where the kernel gives them), registered with the rings, read into with
+// `ws_read_into` (at offsets `ws_memory_placement` gives) or
+// `ws_read_any`. `populate` non-zero faults it in now. Freed by
+// `ws_memory_unregister` once no read is in flight.
+//
+// # Safety
+// `out` is valid for a write.
+ws_status ws_arena_create(ws_engine engine, size_t bytes, int populate, ws_memory *out);
+
+// An arena of `count` fixed slots of `slot_bytes` each, the engine's,
+// registered with the rings: `ws_read_any` takes a free slot for each
+// read (a slot holds any tensor of up to `slot_bytes`; the payload lands
+// at `file_offset % align` in it). Freed by `ws_memory_unregister` once
+// no read is in flight.
+//
+// # Safety
+// `out` is valid for a write.
+ws_status ws_arena_create_slots(ws_engine engine, size_t slot_bytes, size_t count, ws_memory *out);
 
 // A summary of the engine's counters.
 //

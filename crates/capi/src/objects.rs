@@ -104,13 +104,37 @@ pub struct ws_tensor_info {
 
 /// Where a payload lands and what was read.
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy)]
 pub struct ws_read_result {
     /// The payload's first byte, as an offset from the start of the memory
     /// read into.
     pub offset: usize,
     /// Payload bytes read.
     pub bytes: u64,
+    /// The payload's first byte. In caller memory it stays valid as the
+    /// memory does; in an engine arena (`ws_arena_create*`) while the
+    /// arena is open, and (`WS_READ_HOLD`, `ws_read_any`) while the ticket
+    /// is held.
+    pub data: *mut std::ffi::c_void,
+}
+
+/// A completed read, kept without raw pointers (the ticket table is shared
+/// between threads).
+#[derive(Debug, Clone, Copy)]
+struct Out {
+    offset: usize,
+    bytes: u64,
+    data: usize,
+}
+
+impl Out {
+    fn result(self) -> ws_read_result {
+        ws_read_result {
+            offset: self.offset,
+            bytes: self.bytes,
+            data: self.data as *mut std::ffi::c_void,
+        }
+    }
 }
 
 /// What may be overwritten around a payload read into caller memory
@@ -135,6 +159,12 @@ pub enum ws_scratch {
 /// `ws_read.flags`: the read must land in place O_DIRECT; an address out of
 /// phase is `WS_ERR_MISALIGNED` instead of a staged copy.
 pub const WS_READ_IN_PLACE: u32 = 1;
+
+/// `ws_read.flags`: after the read completes, its bytes stay reserved (no
+/// other read may land on them: `WS_ERR_BUSY`) until `ws_ticket_free`;
+/// poll and wait return the result without spending the ticket. What
+/// `ws_read_any` always does.
+pub const WS_READ_HOLD: u32 = 2;
 
 /// One read into caller memory.
 #[repr(C)]
@@ -196,7 +226,19 @@ pub(crate) struct EngineObj {
     users: AtomicUsize,
 }
 
+/// What a memory handle is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum MemKind {
+    /// The caller's memory (`ws_memory_register`).
+    Caller,
+    /// The engine's packed arena (`ws_arena_create`).
+    Packed,
+    /// The engine's arena of fixed slots (`ws_arena_create_slots`).
+    Slots,
+}
+
 pub(crate) struct MemoryObj {
+    kind: MemKind,
     arena: Mutex<Option<ws::Arena>>,
     base: usize,
     len: usize,
@@ -209,13 +251,16 @@ enum TicketState {
     Pending(Ticket),
     /// Another thread is in `ws_ticket_wait` with it.
     Waiting,
-    /// Completed while a notifier polled it.
-    Done(Res<ws_read_result>),
+    /// Completed, and either polled by a notifier or holding its bytes
+    /// (`WS_READ_HOLD`: the payload's slot kept until `ws_ticket_free`).
+    Done(Res<Out>, Option<ws::Loaded>),
 }
 
 pub(crate) struct TicketObj {
     state: Mutex<TicketState>,
     memory: Arc<MemoryObj>,
+    /// `WS_READ_HOLD` or `ws_read_any`.
+    hold: bool,
 }
 
 impl Drop for TicketObj {
@@ -760,6 +805,7 @@ pub unsafe extern "C" fn ws_memory_register(
         let arena = unsafe { e.engine.register_memory(p, len) }?;
         e.users.fetch_add(1, Ordering::AcqRel);
         let id = MEMORY.insert(MemoryObj {
+            kind: MemKind::Caller,
             arena: Mutex::new(Some(arena)),
             base: p.as_ptr() as usize,
             len,
@@ -862,7 +908,8 @@ pub unsafe extern "C" fn ws_memory_placement(
     })
 }
 
-fn submit(e: &Arc<EngineObj>, m: &Arc<MemoryObj>, r: &ws_read) -> Res<ws_ticket> {
+/// The tensor (or byte range of it) a `ws_read` names.
+fn target(e: &EngineObj, r: &ws_read) -> Res<ws::TensorRef> {
     let all = e.model.model.catalog().tensors();
     let whole = all.get(r.tensor).ok_or_else(|| {
         Fail::new(
@@ -870,26 +917,55 @@ fn submit(e: &Arc<EngineObj>, m: &Arc<MemoryObj>, r: &ws_read) -> Res<ws_ticket>
             format!("tensor index {}: the model has {}", r.tensor, all.len()),
         )
     })?;
-    let part;
-    let t = if r.start == 0 && r.end == 0 {
-        whole
+    if r.start == 0 && r.end == 0 {
+        return Ok(whole.clone());
+    }
+    if r.start >= r.end || r.end > whole.len {
+        return Err(Fail::new(
+            ws_status::WS_ERR_INVALID,
+            format!(
+                "tensor {}: bytes [{}, {}) are not a non-empty range of its {} bytes",
+                whole.name, r.start, r.end, whole.len
+            ),
+        ));
+    }
+    Ok(whole.byte_range(r.start..r.end)?)
+}
+
+fn new_ticket(m: &Arc<MemoryObj>, ticket: Ticket, hold: bool) -> ws_ticket {
+    m.tickets.fetch_add(1, Ordering::AcqRel);
+    ws_ticket {
+        id: TICKETS.insert(TicketObj {
+            state: Mutex::new(TicketState::Pending(ticket)),
+            memory: Arc::clone(m),
+            hold,
+        }),
+    }
+}
+
+/// A range of memory that a read in flight or a held ticket covers is
+/// `WS_ERR_BUSY`, not a generic refusal.
+fn busy_if_overlap(err: ws::Error) -> Fail {
+    let f = Fail::from(err);
+    if f.msg.contains("overlap a slot in use") || f.msg.contains("no free run") {
+        Fail::new(ws_status::WS_ERR_BUSY, f.msg)
     } else {
-        if r.start >= r.end || r.end > whole.len {
-            return Err(Fail::new(
-                ws_status::WS_ERR_INVALID,
-                format!(
-                    "tensor {}: bytes [{}, {}) are not a non-empty range of its {} bytes",
-                    whole.name, r.start, r.end, whole.len
-                ),
-            ));
-        }
-        part = whole.byte_range(r.start..r.end)?;
-        &part
-    };
-    if r.flags & !WS_READ_IN_PLACE != 0 {
+        f
+    }
+}
+
+fn submit(e: &Arc<EngineObj>, m: &Arc<MemoryObj>, r: &ws_read) -> Res<ws_ticket> {
+    let t = target(e, r)?;
+    if r.flags & !(WS_READ_IN_PLACE | WS_READ_HOLD) != 0 {
         return Err(Fail::new(
             ws_status::WS_ERR_INVALID,
             format!("flags {:#x}: unknown bits", r.flags),
+        ));
+    }
+    if m.kind == MemKind::Slots {
+        return Err(Fail::new(
+            ws_status::WS_ERR_INVALID,
+            "an arena of fixed slots is read into with ws_read_any (the engine picks the slot), not ws_read_into",
         ));
     }
     let scratch = match r.scratch {
@@ -937,22 +1013,9 @@ fn submit(e: &Arc<EngineObj>, m: &Arc<MemoryObj>, r: &ws_read) -> Res<ws_ticket>
         let arena = guard
             .as_ref()
             .ok_or_else(|| Fail::new(ws_status::WS_ERR_HANDLE, "memory unregistered"))?;
-        e.engine.read_into(t, arena, r.at, scratch).map_err(|err| {
-            let f = Fail::from(err);
-            if f.msg.contains("overlap a slot in use") {
-                Fail::new(ws_status::WS_ERR_BUSY, f.msg)
-            } else {
-                f
-            }
-        })?
+        e.engine.read_into(&t, arena, r.at, scratch).map_err(busy_if_overlap)?
     };
-    m.tickets.fetch_add(1, Ordering::AcqRel);
-    Ok(ws_ticket {
-        id: TICKETS.insert(TicketObj {
-            state: Mutex::new(TicketState::Pending(ticket)),
-            memory: Arc::clone(m),
-        }),
-    })
+    Ok(new_ticket(m, ticket, r.flags & WS_READ_HOLD != 0))
 }
 
 fn engine_and_memory(engine: ws_engine, memory: ws_memory) -> Res<(Arc<EngineObj>, Arc<MemoryObj>)> {
@@ -970,11 +1033,12 @@ fn engine_and_memory(engine: ws_engine, memory: ws_memory) -> Res<(Arc<EngineObj
     Ok((e, m))
 }
 
-/// Starts one read into caller memory: the payload (or bytes
-/// `[start, end)` of it) lands at offset `at` of `memory`. Returns at once
-/// with a ticket; collect it with `ws_ticket_poll` / `ws_ticket_wait`, or
-/// drop it with `ws_ticket_free`. Until then the caller must not touch
-/// those bytes. A range overlapping a read in flight is `WS_ERR_BUSY`.
+/// Starts one read into caller memory (or a packed engine arena): the
+/// payload (or bytes `[start, end)` of it) lands at offset `at` of
+/// `memory`. Returns at once with a ticket; collect it with
+/// `ws_ticket_poll` / `ws_ticket_wait`, or drop it with `ws_ticket_free`.
+/// Until then the caller must not touch those bytes. A range overlapping
+/// a read in flight (or a held ticket's bytes) is `WS_ERR_BUSY`.
 ///
 /// Thread safety: any number of threads may submit at once, to one engine
 /// and one memory (distinct ranges).
@@ -1001,6 +1065,68 @@ pub unsafe extern "C" fn ws_read_into(
         let t = submit(&e, &m, &r)?;
         // SAFETY: non-NULL, valid for a write (the contract).
         unsafe { ticket.write(t) };
+        Ok(ws_status::WS_OK)
+    })
+}
+
+/// Starts one read to a place the engine picks: in a packed memory
+/// (caller memory or `ws_arena_create`), the lowest free run of whole
+/// blocks in phase (in place, O_DIRECT); in an arena of fixed slots
+/// (`ws_arena_create_slots`), a free slot. Only `read->tensor`,
+/// `read->start` and `read->end` are used (`at`, `scratch` and `flags` must
+/// be 0). The ticket always holds its bytes (as `WS_READ_HOLD`): collect
+/// the result with poll or wait (`result.offset`, `result.data`), use the
+/// payload, then `ws_ticket_free` gives the place back. No free place is
+/// `WS_ERR_BUSY`; a slot too small for the tensor is `WS_ERR_TOO_SMALL`.
+///
+/// # Safety
+/// `read` points to a `ws_read`; `ticket` is valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn ws_read_any(
+    engine: ws_engine,
+    memory: ws_memory,
+    read: *const ws_read,
+    ticket: *mut ws_ticket,
+) -> ws_status {
+    guard("ws_read_any", || {
+        if read.is_null() {
+            return Err(null("read"));
+        }
+        if ticket.is_null() {
+            return Err(null("ticket"));
+        }
+        // SAFETY: non-NULL, a ws_read (the contract).
+        let r = unsafe { read_req(read) }?;
+        if r.at != 0 || r.flags != 0 || r.scratch != ws_scratch::WS_SCRATCH_NONE {
+            return Err(Fail::new(
+                ws_status::WS_ERR_INVALID,
+                "ws_read_any picks the place itself: at, scratch and flags must be 0",
+            ));
+        }
+        let (e, m) = engine_and_memory(engine, memory)?;
+        let t = target(&e, &r)?;
+        let tk = {
+            let guard = m.arena.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let arena = guard
+                .as_ref()
+                .ok_or_else(|| Fail::new(ws_status::WS_ERR_HANDLE, "memory unregistered"))?;
+            match m.kind {
+                MemKind::Slots => {
+                    let slot = arena.take_for(&t).map_err(|err| match err {
+                        ws::TakeError::Full { .. } | ws::TakeError::Fragmented { .. } => Fail::new(
+                            ws_status::WS_ERR_BUSY,
+                            format!("tensor {}: every slot is held ({err})", t.name),
+                        ),
+                        _ => Fail::new(ws_status::WS_ERR_TOO_SMALL, format!("tensor {}: {err}", t.name)),
+                    })?;
+                    e.engine.read(&t, slot)?
+                }
+                MemKind::Caller | MemKind::Packed => e.engine.read_anywhere(&t, arena).map_err(busy_if_overlap)?.1,
+            }
+        };
+        let tk = new_ticket(&m, tk, true);
+        // SAFETY: non-NULL, valid for a write (the contract).
+        unsafe { ticket.write(tk) };
         Ok(ws_status::WS_OK)
     })
 }
@@ -1096,35 +1222,51 @@ pub unsafe extern "C" fn ws_read_batch(
     })
 }
 
-fn finish(r: ws::Result<ws::Loaded>) -> Res<ws_read_result> {
-    let loaded = r?;
-    let out = ws_read_result {
-        offset: loaded.offset(),
-        bytes: loaded.bytes().len() as u64,
-    };
-    // The Loaded is dropped here: the slot goes back to the memory; the
-    // bytes stay where they landed, the caller's to use.
-    drop(loaded);
-    Ok(out)
+/// A completed read's outcome, and its `Loaded` when the ticket holds it.
+/// Otherwise the `Loaded` is dropped here: the slot goes back to the
+/// memory, and the bytes stay where they landed, the caller's to use.
+fn finish(r: ws::Result<ws::Loaded>, hold: bool) -> (Res<Out>, Option<ws::Loaded>) {
+    match r {
+        Ok(loaded) => {
+            let out = Out {
+                offset: loaded.offset(),
+                bytes: loaded.bytes().len() as u64,
+                data: loaded.bytes().as_ptr() as usize,
+            };
+            (Ok(out), hold.then_some(loaded))
+        }
+        Err(e) => (Err(e.into()), None),
+    }
 }
 
-/// Collects `id`'s outcome (the ticket is spent whatever it was).
+/// Hands a completed read's outcome to the caller. A held success keeps
+/// the ticket (its state back in `st`); anything else spends it.
 ///
 /// # Safety
 /// `result` is NULL or valid for a write.
-unsafe fn deliver(id: u64, r: Res<ws_read_result>, result: *mut ws_read_result) -> Res<ws_status> {
-    let _ = TICKETS.remove(id);
+unsafe fn deliver(
+    id: u64,
+    st: &mut TicketState,
+    (r, held): (Res<Out>, Option<ws::Loaded>),
+    result: *mut ws_read_result,
+) -> Res<ws_status> {
+    if held.is_some() && r.is_ok() {
+        *st = TicketState::Done(r.clone(), held);
+    } else {
+        let _ = TICKETS.remove(id);
+    }
     let v = r?;
     if !result.is_null() {
         // SAFETY: non-NULL, valid for a write (the caller's contract).
-        unsafe { result.write(v) };
+        unsafe { result.write(v.result()) };
     }
     Ok(ws_status::WS_OK)
 }
 
 /// `WS_OK` (and `*result`, if not NULL) when the read is done, the ticket
-/// then spent; `WS_PENDING` when it is still in flight; the read's error
-/// (the ticket spent) when it failed. Never blocks.
+/// then spent (unless it holds its bytes: `WS_READ_HOLD`, `ws_read_any`);
+/// `WS_PENDING` when it is still in flight; the read's error (the ticket
+/// spent) when it failed. Never blocks.
 ///
 /// # Safety
 /// `result` is NULL or valid for a write.
@@ -1133,20 +1275,22 @@ pub unsafe extern "C" fn ws_ticket_poll(ticket: ws_ticket, result: *mut ws_read_
     guard("ws_ticket_poll", || {
         let obj = TICKETS.get(ticket.id)?;
         let mut st = obj.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let r = match std::mem::replace(&mut *st, TicketState::Waiting) {
-            TicketState::Waiting => return Ok(ws_status::WS_PENDING),
-            TicketState::Done(r) => r,
+        let done = match std::mem::replace(&mut *st, TicketState::Waiting) {
+            TicketState::Waiting => {
+                *st = TicketState::Waiting;
+                return Ok(ws_status::WS_PENDING);
+            }
+            TicketState::Done(r, held) => (r, held),
             TicketState::Pending(t) => match t.try_wait() {
-                Ok(r) => finish(r),
+                Ok(r) => finish(r, obj.hold),
                 Err(t) => {
                     *st = TicketState::Pending(t);
                     return Ok(ws_status::WS_PENDING);
                 }
             },
         };
-        drop(st);
         // SAFETY: the contract above.
-        unsafe { deliver(ticket.id, r, result) }
+        unsafe { deliver(ticket.id, &mut st, done, result) }
     })
 }
 
@@ -1163,33 +1307,37 @@ pub unsafe extern "C" fn ws_ticket_wait(ticket: ws_ticket, timeout_ms: u64, resu
         let obj = TICKETS.get(ticket.id)?;
         let taken = {
             let mut st = obj.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            std::mem::replace(&mut *st, TicketState::Waiting)
-        };
-        let r = match taken {
-            TicketState::Waiting => {
-                return Err(Fail::new(
-                    ws_status::WS_ERR_BUSY,
-                    format!("ticket {}: another thread is waiting on it", ticket.id),
-                ))
-            }
-            TicketState::Done(r) => r,
-            TicketState::Pending(t) => {
-                let waited = if timeout_ms == u64::MAX {
-                    Ok(t.wait())
-                } else {
-                    t.wait_timeout(Duration::from_millis(timeout_ms))
-                };
-                match waited {
-                    Ok(r) => finish(r),
-                    Err(t) => {
-                        *obj.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = TicketState::Pending(t);
-                        return Ok(ws_status::WS_TIMEOUT);
-                    }
+            match std::mem::replace(&mut *st, TicketState::Waiting) {
+                TicketState::Waiting => {
+                    return Err(Fail::new(
+                        ws_status::WS_ERR_BUSY,
+                        format!("ticket {}: another thread is waiting on it", ticket.id),
+                    ))
                 }
+                TicketState::Done(r, held) => {
+                    // SAFETY: the contract above.
+                    return unsafe { deliver(ticket.id, &mut st, (r, held), result) };
+                }
+                TicketState::Pending(t) => t,
             }
         };
-        // SAFETY: the contract above.
-        unsafe { deliver(ticket.id, r, result) }
+        let waited = if timeout_ms == u64::MAX {
+            Ok(taken.wait())
+        } else {
+            taken.wait_timeout(Duration::from_millis(timeout_ms))
+        };
+        let mut st = obj.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        match waited {
+            Ok(r) => {
+                let done = finish(r, obj.hold);
+                // SAFETY: the contract above.
+                unsafe { deliver(ticket.id, &mut st, done, result) }
+            }
+            Err(t) => {
+                *st = TicketState::Pending(t);
+                Ok(ws_status::WS_TIMEOUT)
+            }
+        }
     })
 }
 
@@ -1205,7 +1353,7 @@ pub unsafe extern "C" fn ws_ticket_is_done(ticket: ws_ticket, done: *mut c_int) 
         let d = match &*st {
             TicketState::Pending(t) => t.is_ready(),
             TicketState::Waiting => false,
-            TicketState::Done(_) => true,
+            TicketState::Done(..) => true,
         };
         drop(st);
         // SAFETY: the contract above.
@@ -1257,14 +1405,15 @@ pub extern "C" fn ws_ticket_notify(ticket: ws_ticket, fd: c_int) -> ws_status {
                 let mut cx = Context::from_waker(&w);
                 match Pin::new(&mut t).poll(&mut cx) {
                     Poll::Ready(r) => {
-                        *st = TicketState::Done(finish(r));
+                        let (r, held) = finish(r, obj.hold);
+                        *st = TicketState::Done(r, held);
                         waker.wake_by_ref();
                     }
                     Poll::Pending => *st = TicketState::Pending(t),
                 }
             }
-            TicketState::Done(r) => {
-                *st = TicketState::Done(r);
+            TicketState::Done(r, held) => {
+                *st = TicketState::Done(r, held);
                 waker.wake_by_ref();
             }
             TicketState::Waiting => {
@@ -1279,11 +1428,12 @@ pub extern "C" fn ws_ticket_notify(ticket: ws_ticket, fd: c_int) -> ws_status {
     })
 }
 
-/// Drops a ticket without collecting it. A read still in flight completes
-/// later; until it does, its bytes of memory stay busy (and
-/// `ws_memory_unregister` waits for them). A second free is
-/// `WS_ERR_HANDLE`; so is a free while another thread waits on it
-/// (`WS_ERR_BUSY`).
+/// Drops a ticket. Not yet collected: a read still in flight completes
+/// later, and until it does its bytes of memory stay busy (and
+/// `ws_memory_unregister` waits for them). Holding its bytes
+/// (`WS_READ_HOLD`, `ws_read_any`): gives them back. A second free is
+/// `WS_ERR_HANDLE`; a free while another thread waits on the ticket is
+/// `WS_ERR_BUSY`.
 #[no_mangle]
 pub extern "C" fn ws_ticket_free(ticket: ws_ticket) -> ws_status {
     guard("ws_ticket_free", || {
@@ -1300,6 +1450,87 @@ pub extern "C" fn ws_ticket_free(ticket: ws_ticket) -> ws_status {
             ));
         }
         drop(obj);
+        Ok(ws_status::WS_OK)
+    })
+}
+
+fn owned_arena(e: Arc<EngineObj>, arena: ws::Arena, kind: MemKind) -> ws_memory {
+    let (base, len) = arena.region();
+    e.users.fetch_add(1, Ordering::AcqRel);
+    ws_memory {
+        id: MEMORY.insert(MemoryObj {
+            kind,
+            arena: Mutex::new(Some(arena)),
+            base: base as usize,
+            len,
+            engine: e,
+            tickets: AtomicUsize::new(0),
+        }),
+    }
+}
+
+/// An arena the engine owns: `bytes` of page-aligned memory (2 MiB pages
+/// where the kernel gives them), registered with the rings, read into with
+/// `ws_read_into` (at offsets `ws_memory_placement` gives) or
+/// `ws_read_any`. `populate` non-zero faults it in now. Freed by
+/// `ws_memory_unregister` once no read is in flight.
+///
+/// # Safety
+/// `out` is valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn ws_arena_create(
+    engine: ws_engine,
+    bytes: usize,
+    populate: c_int,
+    out: *mut ws_memory,
+) -> ws_status {
+    guard("ws_arena_create", || {
+        let e = ENGINES.get(engine.id)?;
+        if bytes == 0 {
+            return Err(Fail::new(ws_status::WS_ERR_TOO_SMALL, "bytes is 0"));
+        }
+        if out.is_null() {
+            return Err(null("out"));
+        }
+        let arena = e.engine.packed_arena(bytes, populate != 0)?;
+        let m = owned_arena(e, arena, MemKind::Packed);
+        // SAFETY: checked non-NULL above; valid for a write (the contract).
+        unsafe { out.write(m) };
+        Ok(ws_status::WS_OK)
+    })
+}
+
+/// An arena of `count` fixed slots of `slot_bytes` each, the engine's,
+/// registered with the rings: `ws_read_any` takes a free slot for each
+/// read (a slot holds any tensor of up to `slot_bytes`; the payload lands
+/// at `file_offset % align` in it). Freed by `ws_memory_unregister` once
+/// no read is in flight.
+///
+/// # Safety
+/// `out` is valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn ws_arena_create_slots(
+    engine: ws_engine,
+    slot_bytes: usize,
+    count: usize,
+    out: *mut ws_memory,
+) -> ws_status {
+    guard("ws_arena_create_slots", || {
+        let e = ENGINES.get(engine.id)?;
+        if slot_bytes == 0 || count == 0 {
+            return Err(Fail::new(
+                ws_status::WS_ERR_TOO_SMALL,
+                format!("{count} slot(s) of {slot_bytes} bytes"),
+            ));
+        }
+        if out.is_null() {
+            return Err(null("out"));
+        }
+        let spec = ws::SlotSpec::new(slot_bytes).with_align(e.engine.direct_align());
+        let arena = e.engine.arena(spec, count)?;
+        let m = owned_arena(e, arena, MemKind::Slots);
+        // SAFETY: checked non-NULL above; valid for a write (the contract).
+        unsafe { out.write(m) };
         Ok(ws_status::WS_OK)
     })
 }

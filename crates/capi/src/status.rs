@@ -54,7 +54,7 @@ pub enum ws_status {
 }
 
 /// A failed call: the code and the message `ws_last_error` returns.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct Fail {
     pub(crate) code: ws_status,
     pub(crate) msg: String,

@@ -329,6 +329,103 @@ static void test_ranges_and_misuse(ws_model m, ws_engine e) {
     ws_string_free(json);
 }
 
+/* Engine arenas, slot allocation and held tickets. */
+static void test_arenas(ws_model m, ws_engine e) {
+    size_t n = 0;
+    ws_model_tensor_count(m, &n);
+    ws_tensor_info big = {0}, small = {0};
+    small.bytes = UINT64_MAX;
+    for (size_t i = 0; i < n; i++) {
+        ws_tensor_info x;
+        ws_model_tensor(m, i, &x);
+        if (x.bytes > big.bytes) big = x;
+        if (x.bytes > 0 && x.bytes < small.bytes) small = x;
+    }
+    /* A packed engine arena: placed reads, then reads where the engine picks. */
+    ws_memory pk;
+    EXPECT(ws_arena_create(e, 0, 0, &pk), WS_ERR_TOO_SMALL);
+    EXPECT(ws_arena_create(e, (size_t)big.bytes * 3, 0, &pk), WS_OK);
+    ws_read any = {.tensor = big.index, .start = 0, .end = 0, .at = 0, .scratch = WS_SCRATCH_NONE, .flags = 0};
+    ws_ticket a1, a2, a3;
+    ws_read_result r1, r2, again;
+    EXPECT(ws_read_any(e, pk, &any, &a1), WS_OK);
+    EXPECT(ws_read_any(e, pk, &any, &a2), WS_OK);
+    EXPECT(ws_ticket_wait(a1, UINT64_MAX, &r1), WS_OK);
+    EXPECT(ws_ticket_wait(a2, UINT64_MAX, &r2), WS_OK);
+    CHECK(r1.data != NULL && r2.data != NULL && r1.offset != r2.offset, "two held reads, two places");
+    CHECK(same_as_file(&big, 0, big.bytes, r1.data) && same_as_file(&big, 0, big.bytes, r2.data), "held reads equal the file");
+    /* A held ticket is not spent by its wait: the same result again. */
+    EXPECT(ws_ticket_wait(a1, 0, &again), WS_OK);
+    CHECK(again.offset == r1.offset && again.data == r1.data, "a held ticket gives the same result again");
+    /* Its bytes stay reserved: a read onto them is refused. */
+    ws_read onto = {.tensor = big.index, .start = 0, .end = 0, .at = r1.offset, .scratch = WS_SCRATCH_NONE, .flags = 0};
+    ws_ticket t3;
+    EXPECT(ws_read_into(e, pk, &onto, &t3), WS_ERR_BUSY);
+    /* Held reads fill the arena (it rounds up to whole pages, so how many
+     * fit is counted, not assumed), then the next is refused as busy. */
+    ws_ticket extra[64];
+    int more = 0;
+    ws_status s;
+    while ((s = ws_read_any(e, pk, &any, &extra[more])) == WS_OK && more < 63) more++;
+    CHECK(s == WS_ERR_BUSY, "the arena full of held reads: %s after %d more", ws_status_name(s), more);
+    for (int i = 0; i < more; i++) EXPECT(ws_ticket_free(extra[i]), WS_OK);
+    ws_read badany = any;
+    badany.at = 5;
+    EXPECT(ws_read_any(e, pk, &badany, &a3), WS_ERR_INVALID);
+    EXPECT(ws_memory_unregister(pk, 0), WS_ERR_BUSY); /* held tickets */
+    EXPECT(ws_ticket_free(a1), WS_OK);
+    EXPECT(ws_ticket_free(a2), WS_OK);
+    EXPECT(ws_ticket_free(a1), WS_ERR_HANDLE);
+    EXPECT(ws_read_into(e, pk, &onto, &t3), WS_OK); /* free again */
+    EXPECT(ws_ticket_wait(t3, UINT64_MAX, &r1), WS_OK);
+    CHECK(r1.offset == onto.at && same_as_file(&big, 0, big.bytes, r1.data), "a read into the engine arena at an offset");
+    EXPECT(ws_memory_unregister(pk, 60000), WS_OK);
+
+    /* Fixed slots: two slots of the largest tensor's size. */
+    ws_memory sl;
+    EXPECT(ws_arena_create_slots(e, (size_t)big.bytes, 2, &sl), WS_OK);
+    ws_ticket s1, s2, s3;
+    ws_read rs = {.tensor = small.index, .start = 0, .end = 0, .at = 0, .scratch = WS_SCRATCH_NONE, .flags = 0};
+    EXPECT(ws_read_any(e, sl, &any, &s1), WS_OK);
+    EXPECT(ws_read_any(e, sl, &rs, &s2), WS_OK);
+    EXPECT(ws_read_any(e, sl, &rs, &s3), WS_ERR_BUSY); /* every slot held */
+    EXPECT(ws_read_into(e, sl, &rs, &s3), WS_ERR_INVALID); /* slots are the engine's to pick */
+    EXPECT(ws_ticket_wait(s1, UINT64_MAX, &r1), WS_OK);
+    EXPECT(ws_ticket_poll(s2, &r2) == WS_OK ? WS_OK : ws_ticket_wait(s2, UINT64_MAX, &r2), WS_OK);
+    CHECK(same_as_file(&big, 0, big.bytes, r1.data) && same_as_file(&small, 0, small.bytes, r2.data), "slot reads equal the file");
+    EXPECT(ws_ticket_free(s2), WS_OK);
+    EXPECT(ws_read_any(e, sl, &rs, &s3), WS_OK); /* a slot came back */
+    EXPECT(ws_ticket_free(s3), WS_OK);
+    EXPECT(ws_ticket_free(s1), WS_OK);
+    ws_memory tiny;
+    EXPECT(ws_arena_create_slots(e, 4096, 1, &tiny), WS_OK);
+    EXPECT(ws_read_any(e, tiny, &any, &s1), WS_ERR_TOO_SMALL);
+    EXPECT(ws_engine_shutdown(e, 0, NULL), WS_ERR_BUSY); /* arenas still open */
+    EXPECT(ws_memory_unregister(tiny, 60000), WS_OK);
+    EXPECT(ws_memory_unregister(sl, 60000), WS_OK);
+
+    /* WS_READ_HOLD and ws_read_any on caller memory. */
+    size_t len = (size_t)big.bytes * 2 + 4 * 4096;
+    len = (len + 4095) & ~(size_t)4095;
+    unsigned char *mem = page_memory(len);
+    ws_memory mh;
+    EXPECT(ws_memory_register(e, mem, len, &mh), WS_OK);
+    ws_read held = {.tensor = big.index, .start = 0, .end = 0, .at = 3, .scratch = WS_SCRATCH_NONE, .flags = WS_READ_HOLD};
+    EXPECT(ws_read_into(e, mh, &held, &a1), WS_OK);
+    EXPECT(ws_ticket_wait(a1, UINT64_MAX, &r1), WS_OK);
+    CHECK((unsigned char *)r1.data == mem + 3 && same_as_file(&big, 0, big.bytes, mem + 3), "held read into caller memory");
+    EXPECT(ws_read_into(e, mh, &held, &a2), WS_ERR_BUSY); /* still held */
+    EXPECT(ws_read_any(e, mh, &any, &a2), WS_OK);
+    EXPECT(ws_ticket_wait(a2, UINT64_MAX, &r2), WS_OK);
+    CHECK(r2.offset >= 3 + big.bytes || r2.offset + big.bytes <= 3, "the engine's place avoids the held bytes");
+    CHECK(same_as_file(&big, 0, big.bytes, mem + r2.offset), "read_any into caller memory");
+    EXPECT(ws_memory_unregister(mh, 0), WS_ERR_BUSY);
+    EXPECT(ws_ticket_free(a1), WS_OK);
+    EXPECT(ws_ticket_free(a2), WS_OK);
+    EXPECT(ws_memory_unregister(mh, 60000), WS_OK);
+    munmap(mem, len);
+}
+
 struct worker {
     ws_model m;
     ws_engine e;
@@ -395,6 +492,7 @@ int main(int argc, char **argv) {
     EXPECT(ws_model_open(model_dir, NULL, &m), WS_OK);
     EXPECT(ws_engine_create(m, NULL, &e), WS_OK);
     test_ranges_and_misuse(m, e);
+    test_arenas(m, e);
     test_threads(m, e);
     EXPECT(ws_model_close(m), WS_OK); /* the engine keeps what it needs */
     ws_shutdown_report rep;
