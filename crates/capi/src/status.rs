@@ -101,10 +101,24 @@ fn set_last(msg: String) {
     LAST.with(|l| *l.borrow_mut() = c);
 }
 
+/// The process that first called into the library. In a forked child every
+/// call is `WS_ERR_FORKED` before any lock is taken: a parent thread may
+/// have held a handle table's lock at the fork, and the engines' I/O
+/// threads do not exist in the child.
+static ORIGIN: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+
 /// Runs one entry point: its error becomes a code and this thread's last
 /// error message (prefixed with the call's name); a panic becomes
 /// `WS_ERR_PANIC` and the panic's text.
 pub(crate) fn guard(call: &str, f: impl FnOnce() -> Res<ws_status>) -> ws_status {
+    let pid = std::process::id();
+    if *ORIGIN.get_or_init(|| pid) != pid {
+        set_last(format!(
+            "{call}: called in a forked child (pid {pid}); the library's handles and I/O threads belong to the \
+             parent: open models and engines after exec, or before fork in the process that uses them"
+        ));
+        return ws_status::WS_ERR_FORKED;
+    }
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(s)) => s,
         Ok(Err(fail)) => {

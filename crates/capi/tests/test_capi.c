@@ -19,6 +19,7 @@
 #include <string.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 static int failures = 0;
@@ -426,6 +427,23 @@ static void test_arenas(ws_model m, ws_engine e) {
     munmap(mem, len);
 }
 
+/* A forked child gets WS_ERR_FORKED from every call, before any lock. */
+static void test_fork(ws_model m) {
+    pid_t pid = fork();
+    if (pid == 0) {
+        size_t n = 0;
+        ws_model x;
+        int ok = ws_model_tensor_count(m, &n) == WS_ERR_FORKED && ws_model_open(model_dir, NULL, &x) == WS_ERR_FORKED &&
+                 strstr(ws_last_error(), "forked child") != NULL;
+        _exit(ok ? 0 : 1);
+    }
+    int status = 0;
+    CHECK(pid > 0 && waitpid(pid, &status, 0) == pid && WIFEXITED(status) && WEXITSTATUS(status) == 0,
+          "the child saw WS_ERR_FORKED (status %d)", status);
+    size_t n = 0;
+    EXPECT(ws_model_tensor_count(m, &n), WS_OK); /* the parent goes on */
+}
+
 struct worker {
     ws_model m;
     ws_engine e;
@@ -493,6 +511,7 @@ int main(int argc, char **argv) {
     EXPECT(ws_engine_create(m, NULL, &e), WS_OK);
     test_ranges_and_misuse(m, e);
     test_arenas(m, e);
+    test_fork(m);
     test_threads(m, e);
     EXPECT(ws_model_close(m), WS_OK); /* the engine keeps what it needs */
     ws_shutdown_report rep;
