@@ -163,6 +163,7 @@ fn read_into_writes_exactly_the_payload_where_asked() {
             .zip(&places)
             .map(|(t, &p)| e.read_into(t, &arena, p, Scratch::None).unwrap())
             .collect();
+        let staged_tickets = tickets.iter().filter(|k| k.is_staged()).count() as u64;
         for k in tickets {
             drop(k.wait().unwrap());
         }
@@ -198,6 +199,9 @@ fn read_into_writes_exactly_the_payload_where_asked() {
                 tensors.len() as u64 - in_place,
                 "{backend:?}"
             );
+            // Each ticket said, before its read completed, what the stats
+            // counted after: staged or in place.
+            assert_eq!(staged_tickets, tensors.len() as u64 - in_place, "{backend:?}");
             let staged_bytes: u64 = tensors
                 .iter()
                 .zip(&places)

@@ -163,6 +163,14 @@ impl Ticket {
         }
     }
 
+    /// Whether this read lands in the engine's staging memory first and is
+    /// copied into place when resolved (`Engine::read_into` at an address
+    /// out of phase, or whose in-place window overlaps bytes in use),
+    /// rather than in place.
+    pub fn is_staged(&self) -> bool {
+        self.staged.is_some()
+    }
+
     /// Whether every chunk has completed.
     pub fn is_ready(&self) -> bool {
         self.req.is_done()

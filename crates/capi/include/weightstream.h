@@ -9,6 +9,9 @@
  * ERRORS. Every call returns a ws_status; errors are negative, and
  * ws_last_error() then has a message on the calling thread naming the call,
  * the file, the operation and the cause. No panic crosses this boundary.
+ * ws_status is a C enum returned by value: build with the platform's default
+ * enum size (not -fshort-enums). In a forked child every call returns
+ * WS_ERR_FORKED.
  *
  * THREADS. Every function may be called from any thread. Models and engines
  * are shared: any number of threads may register memory, read, poll, wait and
@@ -21,10 +24,14 @@
  * MEMORY. ws_memory_register lends the caller's memory (page-aligned) to an
  * engine; it stays the caller's and is never freed by this library. Between
  * ws_read_into and the ticket's completion (ws_ticket_poll or ws_ticket_wait
- * returning WS_OK or an error) the caller must not touch the read's bytes:
- * the kernel may write them. A ticket freed early (ws_ticket_free) completes
- * later; free or unmap the memory only after ws_memory_unregister returned
- * WS_OK. Strings returned through char** are freed with ws_string_free;
+ * returning WS_OK or an error other than WS_ERR_ABANDONED) the caller must
+ * not touch the read's bytes: the kernel may write them. After
+ * WS_ERR_ABANDONED it may still: never reuse those bytes, leak the memory.
+ * A ticket freed early (ws_ticket_free) completes later; free or unmap the
+ * memory only after ws_memory_unregister returned WS_OK. A completed read's
+ * bytes are the caller's, unless memory also takes ws_read_any reads (the
+ * engine may place one over them): there, hold the reads whose bytes you
+ * still need (WS_READ_HOLD) and free their tickets when done. Strings returned through char** are freed with ws_string_free;
  * ws_tensor_info's pointers live as long as the model (or an engine made from
  * it).
  */
@@ -45,20 +52,47 @@
 // The ABI's minor version: additions only.
 #define WS_ABI_VERSION_MINOR 0
 
-// `ws_read.flags`: the read must land in place O_DIRECT; an address out of
-// phase is `WS_ERR_MISALIGNED` instead of a staged copy.
+// `ws_engine_options.numa`: the default (on).
+#define WS_NUMA_DEFAULT 0
+
+// `ws_engine_options.numa`: bind each drive's I/O threads to its node.
+#define WS_NUMA_ON 1
+
+// `ws_engine_options.numa`: no placement.
+#define WS_NUMA_OFF 2
+
+// `ws_read.scratch`: exactly the payload's bytes are written. In phase
+// and block-aligned: in place, O_DIRECT; otherwise through the engine's
+// staging memory and one copy.
+#define WS_SCRATCH_NONE 0
+
+// `ws_read.scratch`: the `file_offset % align` bytes before the payload
+// may be overwritten (the in-place window of engines that read
+// `[off - off % align, ...)` into `buf - off % align`): in phase, every
+// whole block is read in place O_DIRECT, the tail buffered.
+#define WS_SCRATCH_BEFORE 1
+
+// `ws_read.scratch`: the payload's whole blocks may be overwritten, before
+// and after it: in phase, every block is read in place O_DIRECT.
+#define WS_SCRATCH_BLOCKS 2
+
+// `ws_read.flags`: the read must land in place, never through staging:
+// out of phase (or a scratch that does not allow it there) is
+// `WS_ERR_MISALIGNED`, an in-place window overlapping bytes in use is
+// `WS_ERR_BUSY`. (A file that refuses O_DIRECT is read buffered into
+// place, counted in the stats as a fallback.)
 #define WS_READ_IN_PLACE 1
 
-// `ws_read.flags`: after the read completes, its bytes stay reserved (no
-// other read may land on them: `WS_ERR_BUSY`) until `ws_ticket_free`;
-// poll and wait return the result without spending the ticket. What
-// `ws_read_any` always does.
+// `ws_read.flags`: after the read completes, its bytes stay reserved (a
+// read onto them is `WS_ERR_BUSY`) until `ws_ticket_free`; poll and wait
+// return the result without spending the ticket. What `ws_read_any`
+// always does.
 #define WS_READ_HOLD 2
 
 // What a call did. `WS_OK` and the two non-errors (`WS_PENDING`,
 // `WS_TIMEOUT`) are zero or positive; every error is negative and leaves a
 // message for `ws_last_error` on the calling thread.
-typedef enum {
+typedef enum ws_status {
   // Done.
   WS_OK = 0,
   // `ws_ticket_poll`: the read is still in flight (the ticket stays valid).
@@ -97,31 +131,84 @@ typedef enum {
   // A read failed on every copy, a drive stopped, or a file ended early.
   WS_ERR_READ = -12,
   // A bug in this library: it panicked; the message has the panic's text.
-  // The handles involved stay as they were.
+  // The handles involved stay usable (a ticket whose call panicked can be
+  // freed).
   WS_ERR_PANIC = -13,
+  // A read failed because its drive's I/O thread stopped with the read
+  // still in the kernel: the kernel may yet write the read's bytes. Do
+  // not reuse them; the memory never unregisters with `WS_OK` after this
+  // (leak it).
+  WS_ERR_ABANDONED = -14,
 } ws_status;
 
-// What may be overwritten around a payload read into caller memory
-// (`Scratch`).
-typedef enum {
-  // Exactly the payload's bytes are written. In phase and block-aligned:
-  // in place, O_DIRECT; otherwise through the engine's staging memory
-  // and one copy.
-  WS_SCRATCH_NONE = 0,
-  // The `file_offset % align` bytes before the payload may be
-  // overwritten (the in-place window of engines that read
-  // `[off - off % align, ...)` into `buf - off % align`): in phase, every
-  // whole block is read in place O_DIRECT, the tail buffered.
-  WS_SCRATCH_BEFORE = 1,
-  // The payload's whole blocks may be overwritten, before and after it:
-  // in phase, every block is read in place O_DIRECT.
-  WS_SCRATCH_BLOCKS = 2,
-} ws_scratch;
+// Engine settings (`EngineConfig`). A zero or NULL field is the default,
+// so a zeroed struct with `struct_size` set is all defaults. Start from
+// `ws_engine_options_default()`.
+typedef struct ws_engine_options {
+  // `sizeof(ws_engine_options)` as the caller compiled it (read first,
+  // before the rest).
+  uint32_t struct_size;
+  // "auto" (io_uring, else pread), "uring" or "pread"; NULL: auto.
+  const char *backend;
+  // Chunks in flight per drive (1 to 4096); 0: the default (32).
+  uint32_t queue_depth;
+  // Largest chunk in bytes (a multiple of 4096, 4 KiB to 1 GiB); 0: the
+  // drive's own.
+  uint64_t chunk_bytes;
+  // `WS_NUMA_DEFAULT` (0), `WS_NUMA_ON` or `WS_NUMA_OFF`.
+  int32_t numa;
+  // "auto", "inline", "async" or "rings:N"; NULL: auto.
+  const char *submit;
+} ws_engine_options;
+
+// An open model (the shards' headers, read and checked). Zero is no model.
+typedef struct ws_model {
+  uint64_t id;
+} ws_model;
+
+// An engine: one I/O thread (or ring) per drive. Zero is no engine.
+typedef struct ws_engine {
+  uint64_t id;
+} ws_engine;
+
+// What a shutdown did.
+typedef struct ws_shutdown_report {
+  // 1: every I/O thread finished; nothing is in flight.
+  int drained;
+  // Drives whose I/O threads did not finish in time (detached: they keep
+  // the memory the kernel may write until its reads complete).
+  uint32_t drives_left;
+  // Chunks still in flight on those drives.
+  uint64_t chunks_left;
+} ws_shutdown_report;
+
+// A summary of an engine's counters (`ws_engine_stats_json` has them all).
+typedef struct ws_stats {
+  uint64_t bytes;
+  uint64_t reads_direct;
+  uint64_t reads_buffered;
+  // Every fallback, by any cause (the JSON has them by cause and drive).
+  uint64_t fallbacks;
+  // Reads that landed in staging and were copied into place.
+  uint64_t staged_reads;
+  uint64_t staged_bytes;
+  uint32_t drives;
+  // Warnings the engine has (the JSON has their text).
+  uint32_t warnings;
+} ws_stats;
+
+// Memory an engine reads into: the caller's (`ws_memory_register`) or the
+// engine's (`ws_arena_create`, `ws_arena_create_slots`). Zero is none.
+typedef struct ws_memory {
+  uint64_t id;
+} ws_memory;
 
 // Layout settings of a model (`ModelConfig`). Every string may be NULL
 // (the default); lists are `;`- or `,`-separated, as in the environment.
-typedef struct {
-  // `sizeof(ws_model_options)` as the caller compiled it.
+// Start from `ws_model_options_default()`.
+typedef struct ws_model_options {
+  // `sizeof(ws_model_options)` as the caller compiled it (read first,
+  // before the rest).
   uint32_t struct_size;
   // Extra directories searched for shards after the primary (split dirs).
   const char *dirs;
@@ -135,13 +222,9 @@ typedef struct {
   const char *direct;
 } ws_model_options;
 
-// An open model (the shards' headers, read and checked). Zero is no model.
-typedef struct {
-  uint64_t id;
-} ws_model;
-
-// One tensor. The pointers stay valid while the model is open.
-typedef struct {
+// One tensor. The pointers stay valid while the model is open, or while an
+// engine made from it is.
+typedef struct ws_tensor_info {
   // The tensor's index in the model (name order): what reads take.
   size_t index;
   // NUL-terminated name.
@@ -159,91 +242,41 @@ typedef struct {
   uint64_t file_offset;
 } ws_tensor_info;
 
-// Engine settings (`EngineConfig`). Zero, NULL or -1 is the default.
-typedef struct {
-  // `sizeof(ws_engine_options)` as the caller compiled it.
-  uint32_t struct_size;
-  // "auto" (io_uring, else pread), "uring" or "pread"; NULL: auto.
-  const char *backend;
-  // Chunks in flight per drive (1 to 4096); 0: the default (32).
-  uint32_t queue_depth;
-  // Largest chunk in bytes (a multiple of 4096, 4 KiB to 1 GiB); 0: the
-  // drive's own.
-  uint64_t chunk_bytes;
-  // NUMA placement: 1 on, 0 off, -1 the default (on).
-  int32_t numa;
-  // "auto", "inline", "async" or "rings:N"; NULL: auto.
-  const char *submit;
-} ws_engine_options;
-
-// An engine: one I/O thread (or ring) per drive. Zero is no engine.
-typedef struct {
-  uint64_t id;
-} ws_engine;
-
-// What a shutdown did.
-typedef struct {
-  // 1: every I/O thread finished; nothing is in flight.
-  int drained;
-  // Drives whose I/O threads did not finish in time (detached: they keep
-  // the memory the kernel may write until its reads complete).
-  uint32_t drives_left;
-  // Chunks still in flight on those drives.
-  uint64_t chunks_left;
-} ws_shutdown_report;
-
-// Caller memory lent to an engine. Zero is none.
-typedef struct {
-  uint64_t id;
-} ws_memory;
-
-// One read into caller memory.
-typedef struct {
+// One read.
+typedef struct ws_read {
   // The tensor's index (`ws_tensor_info.index`).
   size_t tensor;
   // Bytes `[start, end)` of the payload; `start == end == 0`: all of it.
   uint64_t start;
   uint64_t end;
-  // Where the payload's first byte lands: an offset into the memory.
+  // Where the payload's first byte lands: an offset into the memory
+  // (`ws_read_into`; 0 for `ws_read_any`).
   size_t at;
-  ws_scratch scratch;
-  // `WS_READ_IN_PLACE` or 0.
+  // `WS_SCRATCH_NONE`, `WS_SCRATCH_BEFORE` or `WS_SCRATCH_BLOCKS`.
+  uint32_t scratch;
+  // `WS_READ_IN_PLACE`, `WS_READ_HOLD`, both or 0.
   uint32_t flags;
 } ws_read;
 
-// One read in flight, or done and not yet collected. Zero is none.
-typedef struct {
+// One read in flight, or done and not yet collected (or held). Zero is
+// none.
+typedef struct ws_ticket {
   uint64_t id;
 } ws_ticket;
 
-// Where a payload lands and what was read.
-typedef struct {
-  // The payload's first byte, as an offset from the start of the memory
-  // read into.
+// Where a payload landed and what was read.
+typedef struct ws_read_result {
+  // The payload's first byte, as an offset from the start of the memory.
   size_t offset;
   // Payload bytes read.
   uint64_t bytes;
-  // The payload's first byte. In caller memory it stays valid as the
-  // memory does; in an engine arena (`ws_arena_create*`) while the
-  // arena is open, and (`WS_READ_HOLD`, `ws_read_any`) while the ticket
-  // is held.
+  // The payload's first byte. A held read's bytes (`WS_READ_HOLD`,
+  // `ws_read_any`) stay reserved until `ws_ticket_free`. Any other read's
+  // bytes are the caller's to use once collected. The engine may place a
+  // later `ws_read_any` over them, so in memory where `ws_read_any` is
+  // used, hold every read whose bytes are still needed.
   void *data;
 } ws_read_result;
-
-// A summary of an engine's counters (`ws_engine_stats_json` has them all).
-typedef struct {
-  uint64_t bytes;
-  uint64_t reads_direct;
-  uint64_t reads_buffered;
-  // Every fallback, by any cause (the JSON has them by cause and drive).
-  uint64_t fallbacks;
-  // Reads that landed in staging and were copied into place.
-  uint64_t staged_reads;
-  uint64_t staged_bytes;
-  uint32_t drives;
-  // Warnings the engine has (the JSON has their text).
-  uint32_t warnings;
-} ws_stats;
 
 #ifdef __cplusplus
 extern "C" {
@@ -256,101 +289,40 @@ uint32_t ws_abi_version(void);
 // The library's version ("0.1.0"); static, never NULL.
 const char *ws_version(void);
 
-// Opens the model in `dir` (`model.safetensors.index.json` or
-// `*.safetensors`) with the layout in `options` (NULL: defaults). Reads
-// and checks every shard's header; the files stay open until
-// `ws_model_close`.
-//
-// Thread safety: any thread; the model is shared by every engine made from
-// it and may be used from many threads at once.
-//
-// # Safety
-// `dir` is a NUL-terminated path; `options` is NULL or points to a
-// `ws_model_options` whose strings are NULL or NUL-terminated; `out` is
-// valid for a write.
-ws_status ws_model_open(const char *dir, const ws_model_options *options, ws_model *out);
-
-// Opens the model the environment names: `WEIGHTSTREAM_MODEL` (or `dir`
-// when not NULL), `WEIGHTSTREAM_MODEL_DIRS`, `_MIRROR`, `_DISK_WEIGHTS`,
-// `_ROUTE`, `_DIRECT`.
-//
-// # Safety
-// `dir` is NULL or NUL-terminated; `out` is valid for a write.
-ws_status ws_model_open_env(const char *dir, ws_model *out);
-
-// Closes a model. Engines made from it keep what they need and stay
-// usable; `ws_tensor_info` pointers from it are invalid afterwards unless
-// an engine made from it is still open. A second close is
-// `WS_ERR_HANDLE`.
-ws_status ws_model_close(ws_model model);
-
-// The number of tensors in the model.
-//
-// # Safety
-// `count` is valid for a write.
-ws_status ws_model_tensor_count(ws_model model, size_t *count);
-
-// Tensor `index` (0 to count - 1, name order).
-//
-// # Safety
-// `out` is valid for a write.
-ws_status ws_model_tensor(ws_model model, size_t index, ws_tensor_info *out);
-
-// The tensor named `name`; `WS_ERR_NOT_FOUND` (with the nearest names in
-// the message) when there is none.
-//
-// # Safety
-// `name` is NUL-terminated; `out` is valid for a write.
-ws_status ws_model_find(ws_model model, const char *name, ws_tensor_info *out);
-
-// Checks every shard against what was opened (size, identity, header) and,
-// with `digest` non-zero, hashes every tensor. `*clean` is 1 when nothing
-// changed; `json` (may be NULL) receives the whole report, to be freed
-// with `ws_string_free`.
-//
-// # Safety
-// `clean` is valid for a write; `json` is NULL or valid for a write.
-ws_status ws_model_verify(ws_model model, int digest, int *clean, char **json);
-
-// Frees a string this library returned (`json` outputs). NULL is a no-op.
-//
-// # Safety
-// `s` is NULL or a string from this library not freed before.
-void ws_string_free(char *s);
-
-// The default engine options, `struct_size` filled in.
-ws_engine_options ws_engine_options_default(void);
-
-// The default model options, `struct_size` filled in.
-ws_model_options ws_model_options_default(void);
+// The default engine options, `struct_size` filled in (every other field
+// zero or NULL: the defaults).
+struct ws_engine_options ws_engine_options_default(void);
 
 // Starts an engine for `model` with `options` (NULL: defaults).
 //
 // Thread safety: an engine is used from any number of threads at once
-// (registering memory, reading, polling, stats); only `ws_engine_shutdown`
-// must not race the other calls on it.
+// (registering memory, reading, polling, stats); `ws_engine_shutdown` is
+// refused (`WS_ERR_BUSY`) while memory is open on it.
 //
 // # Safety
 // `options` is NULL or a `ws_engine_options` whose strings are NULL or
 // NUL-terminated; `out` is valid for a write.
-ws_status ws_engine_create(ws_model model, const ws_engine_options *options, ws_engine *out);
+enum ws_status ws_engine_create(struct ws_model model,
+                                const struct ws_engine_options *options,
+                                struct ws_engine *out);
 
 // Starts an engine with the `WEIGHTSTREAM_*` environment's settings.
 //
 // # Safety
 // `out` is valid for a write.
-ws_status ws_engine_create_env(ws_model model, ws_engine *out);
+enum ws_status ws_engine_create_env(struct ws_model model, struct ws_engine *out);
 
 // Stops the engine: waits up to `timeout_ms` for its I/O threads, then
 // reports what was left in flight (those threads are detached and keep
 // the memory the kernel may write: a leak, never an early free). Refused
-// with `WS_ERR_BUSY` (the engine stays open) while tickets or memory
-// handles on it are not freed, unregistered or collected. A second
-// shutdown is `WS_ERR_HANDLE`.
+// with `WS_ERR_BUSY` (the engine stays open) while memory handles are open
+// on it (unregister them first). A second shutdown is `WS_ERR_HANDLE`.
 //
 // # Safety
 // `report` is NULL or valid for a write.
-ws_status ws_engine_shutdown(ws_engine engine, uint64_t timeout_ms, ws_shutdown_report *report);
+enum ws_status ws_engine_shutdown(struct ws_engine engine,
+                                  uint64_t timeout_ms,
+                                  struct ws_shutdown_report *report);
 
 // The block size `A` of O_DIRECT reads of this engine's model (at least
 // 4096): a payload at file offset `off` lands in place O_DIRECT at an
@@ -358,11 +330,25 @@ ws_status ws_engine_shutdown(ws_engine engine, uint64_t timeout_ms, ws_shutdown_
 //
 // # Safety
 // `align` is valid for a write.
-ws_status ws_engine_direct_align(ws_engine engine, size_t *align);
+enum ws_status ws_engine_direct_align(struct ws_engine engine, size_t *align);
+
+// A summary of the engine's counters.
+//
+// # Safety
+// `out` is valid for a write.
+enum ws_status ws_engine_stats(struct ws_engine engine, struct ws_stats *out);
+
+// Every counter of the engine as JSON (`Stats`: per drive, by cause, the
+// warnings' text), to be freed with `ws_string_free`.
+//
+// # Safety
+// `json` is valid for a write.
+enum ws_status ws_engine_stats_json(struct ws_engine engine, char **json);
 
 // Lends `len` bytes of the caller's memory at `ptr` (page-aligned) to the
 // engine, registered with its rings where the kernel allows (a refusal is
-// counted in the stats and warned once, never silent).
+// counted in the stats and warned once, never silent). Bytes already lent
+// through another handle are `WS_ERR_BUSY`.
 //
 // Ownership: the memory stays the caller's; this library never frees,
 // unmaps or advises it. The caller must not free, unmap or remap it until
@@ -371,18 +357,23 @@ ws_status ws_engine_direct_align(ws_engine engine, size_t *align);
 //
 // # Safety
 // `ptr..ptr + len` is valid for reads and writes and stays so until
-// `ws_memory_unregister` returns `WS_OK`; the same bytes are not lent to
-// another memory handle at the same time; a forked child does not read
+// `ws_memory_unregister` returns `WS_OK`; a forked child does not read
 // into it. `out` is valid for a write.
-ws_status ws_memory_register(ws_engine engine, void *ptr, size_t len, ws_memory *out);
+enum ws_status ws_memory_register(struct ws_engine engine,
+                                  void *ptr,
+                                  size_t len,
+                                  struct ws_memory *out);
 
-// Takes the memory back. Refused with `WS_ERR_BUSY` while tickets into it
-// are held (collect them with poll/wait, or free them). Then waits up to
-// `timeout_ms` for reads still in the kernel (those of freed tickets):
-// `WS_OK` means the memory may be freed or reused now, and the handle is
-// closed; `WS_TIMEOUT` means reads are still in the kernel: the memory
-// must not be freed, and the handle stays valid (call again).
-ws_status ws_memory_unregister(ws_memory memory, uint64_t timeout_ms);
+// Takes memory back: the caller's (`ws_memory_register`) or an engine
+// arena (`ws_arena_create*`, freed here). Refused with `WS_ERR_BUSY` while
+// tickets into it are held (collect or free them first), or while another
+// thread unregisters it. Then waits up to `timeout_ms` for reads still in
+// the kernel (those of freed tickets): `WS_OK` means the memory may be
+// freed or reused now, and the handle is closed; `WS_TIMEOUT` means reads
+// are still in the kernel: the memory must not be freed, and the handle
+// stays valid (call again). After `WS_ERR_ABANDONED` from a read into it,
+// it never returns `WS_OK`: that memory must be leaked.
+enum ws_status ws_memory_unregister(struct ws_memory memory, uint64_t timeout_ms);
 
 // Where the payloads of `tensors[0..n]` land in `memory` so that every read
 // of them with `WS_SCRATCH_BLOCKS` is in place and O_DIRECT: back to back,
@@ -391,7 +382,96 @@ ws_status ws_memory_unregister(ws_memory memory, uint64_t timeout_ms);
 //
 // # Safety
 // `tensors` holds `n` indexes; `offsets` is valid for `n` writes.
-ws_status ws_memory_placement(ws_memory memory, const size_t *tensors, size_t n, size_t *offsets);
+enum ws_status ws_memory_placement(struct ws_memory memory,
+                                   const size_t *tensors,
+                                   size_t n,
+                                   size_t *offsets);
+
+// An arena the engine owns: `bytes` of page-aligned memory (2 MiB pages
+// where the kernel gives them), registered with the rings, read into with
+// `ws_read_into` (at offsets `ws_memory_placement` gives) or
+// `ws_read_any`. `populate` non-zero faults it in now. Freed by
+// `ws_memory_unregister` once no read is in flight.
+//
+// # Safety
+// `out` is valid for a write.
+enum ws_status ws_arena_create(struct ws_engine engine,
+                               size_t bytes,
+                               int populate,
+                               struct ws_memory *out);
+
+// An arena of `count` fixed slots of `slot_bytes` each, the engine's,
+// registered with the rings: `ws_read_any` takes a free slot for each
+// read (a slot holds any tensor of up to `slot_bytes`; the payload lands
+// at `file_offset % align` in it). Freed by `ws_memory_unregister` once
+// no read is in flight.
+//
+// # Safety
+// `out` is valid for a write.
+enum ws_status ws_arena_create_slots(struct ws_engine engine,
+                                     size_t slot_bytes,
+                                     size_t count,
+                                     struct ws_memory *out);
+
+// The default model options, `struct_size` filled in.
+struct ws_model_options ws_model_options_default(void);
+
+// Opens the model in `dir` (`model.safetensors.index.json` or
+// `*.safetensors`) with the layout in `options` (NULL: defaults). Reads
+// and checks every shard's header; the files stay open until
+// `ws_model_close`.
+//
+// Thread safety: any thread; a model is shared by every engine made from
+// it and may be used from many threads at once.
+//
+// # Safety
+// `dir` is a NUL-terminated path; `options` is NULL or a
+// `ws_model_options` whose strings are NULL or NUL-terminated; `out` is
+// valid for a write.
+enum ws_status ws_model_open(const char *dir,
+                             const struct ws_model_options *options,
+                             struct ws_model *out);
+
+// Opens the model the environment names: `WEIGHTSTREAM_MODEL` (or `dir`
+// when not NULL), `WEIGHTSTREAM_MODEL_DIRS`, `_MIRROR`, `_DISK_WEIGHTS`,
+// `_ROUTE`, `_DIRECT`.
+//
+// # Safety
+// `dir` is NULL or NUL-terminated; `out` is valid for a write.
+enum ws_status ws_model_open_env(const char *dir, struct ws_model *out);
+
+// Closes a model. Engines made from it keep what they need and stay
+// usable; `ws_tensor_info` pointers from it stay valid while such an
+// engine is open, and not after. A second close is `WS_ERR_HANDLE`.
+enum ws_status ws_model_close(struct ws_model model);
+
+// The number of tensors in the model.
+//
+// # Safety
+// `count` is valid for a write.
+enum ws_status ws_model_tensor_count(struct ws_model model, size_t *count);
+
+// Tensor `index` (0 to count - 1, name order).
+//
+// # Safety
+// `out` is valid for a write.
+enum ws_status ws_model_tensor(struct ws_model model, size_t index, struct ws_tensor_info *out);
+
+// The tensor named `name`; `WS_ERR_NOT_FOUND` (with the nearest names in
+// the message) when there is none.
+//
+// # Safety
+// `name` is NUL-terminated; `out` is valid for a write.
+enum ws_status ws_model_find(struct ws_model model, const char *name, struct ws_tensor_info *out);
+
+// Checks every shard against what was opened (size, identity, header) and,
+// with `digest` non-zero, hashes every tensor. `*clean` is 1 when nothing
+// changed; `json` (may be NULL) receives the whole report, to be freed
+// with `ws_string_free`.
+//
+// # Safety
+// `clean` is valid for a write; `json` is NULL or valid for a write.
+enum ws_status ws_model_verify(struct ws_model model, int digest, int *clean, char **json);
 
 // Starts one read into caller memory (or a packed engine arena): the
 // payload (or bytes `[start, end)` of it) lands at offset `at` of
@@ -405,21 +485,28 @@ ws_status ws_memory_placement(ws_memory memory, const size_t *tensors, size_t n,
 //
 // # Safety
 // `read` points to a `ws_read`; `ticket` is valid for a write.
-ws_status ws_read_into(ws_engine engine, ws_memory memory, const ws_read *read, ws_ticket *ticket);
+enum ws_status ws_read_into(struct ws_engine engine,
+                            struct ws_memory memory,
+                            const struct ws_read *read,
+                            struct ws_ticket *ticket);
 
-// Starts one read to a place the engine picks: in a packed memory
-// (caller memory or `ws_arena_create`), the lowest free run of whole
-// blocks in phase (in place, O_DIRECT); in an arena of fixed slots
+// Starts one read to a place the engine picks: in packed memory (the
+// caller's or `ws_arena_create`), the lowest free run of whole blocks in
+// phase (in place, O_DIRECT); in an arena of fixed slots
 // (`ws_arena_create_slots`), a free slot. Only `read->tensor`,
-// `read->start` and `read->end` are used (`at`, `scratch` and `flags` must
-// be 0). The ticket always holds its bytes (as `WS_READ_HOLD`): collect
-// the result with poll or wait (`result.offset`, `result.data`), use the
-// payload, then `ws_ticket_free` gives the place back. No free place is
-// `WS_ERR_BUSY`; a slot too small for the tensor is `WS_ERR_TOO_SMALL`.
+// `read->start` and `read->end` are used (`at`, `scratch` and `flags`
+// must be 0). The ticket always holds its bytes (as `WS_READ_HOLD`):
+// collect the result with poll or wait (`offset`, `data`), use the
+// payload, then `ws_ticket_free` gives the place back. No free place now
+// is `WS_ERR_BUSY`; a tensor larger than the memory (or a slot) can ever
+// hold is `WS_ERR_TOO_SMALL`.
 //
 // # Safety
 // `read` points to a `ws_read`; `ticket` is valid for a write.
-ws_status ws_read_any(ws_engine engine, ws_memory memory, const ws_read *read, ws_ticket *ticket);
+enum ws_status ws_read_any(struct ws_engine engine,
+                           struct ws_memory memory,
+                           const struct ws_read *read,
+                           struct ws_ticket *ticket);
 
 // Starts `n` reads (as `ws_read_into`, one ticket each in `tickets`). All
 // or nothing: when read k is refused, the k reads already started are
@@ -429,20 +516,20 @@ ws_status ws_read_any(ws_engine engine, ws_memory memory, const ws_read *read, w
 //
 // # Safety
 // `reads` holds `n` `ws_read`s; `tickets` is valid for `n` writes.
-ws_status ws_read_batch(ws_engine engine,
-                        ws_memory memory,
-                        const ws_read *reads,
-                        size_t n,
-                        ws_ticket *tickets);
+enum ws_status ws_read_batch(struct ws_engine engine,
+                             struct ws_memory memory,
+                             const struct ws_read *reads,
+                             size_t n,
+                             struct ws_ticket *tickets);
 
 // `WS_OK` (and `*result`, if not NULL) when the read is done, the ticket
 // then spent (unless it holds its bytes: `WS_READ_HOLD`, `ws_read_any`);
-// `WS_PENDING` when it is still in flight; the read's error (the ticket
-// spent) when it failed. Never blocks.
+// `WS_PENDING` when it is still in flight (or another thread is waiting on
+// it); the read's error (the ticket spent) when it failed. Never blocks.
 //
 // # Safety
 // `result` is NULL or valid for a write.
-ws_status ws_ticket_poll(ws_ticket ticket, ws_read_result *result);
+enum ws_status ws_ticket_poll(struct ws_ticket ticket, struct ws_read_result *result);
 
 // Blocks until the read is done (then as `ws_ticket_poll`) or `timeout_ms`
 // passes (`WS_TIMEOUT`, the ticket still valid). `UINT64_MAX` waits
@@ -451,20 +538,24 @@ ws_status ws_ticket_poll(ws_ticket ticket, ws_read_result *result);
 //
 // # Safety
 // `result` is NULL or valid for a write.
-ws_status ws_ticket_wait(ws_ticket ticket, uint64_t timeout_ms, ws_read_result *result);
+enum ws_status ws_ticket_wait(struct ws_ticket ticket,
+                              uint64_t timeout_ms,
+                              struct ws_read_result *result);
 
 // Whether the read is done, without collecting it: 1 done, 0 in flight.
 //
 // # Safety
 // `done` is valid for a write.
-ws_status ws_ticket_is_done(ws_ticket ticket, int *done);
+enum ws_status ws_ticket_is_done(struct ws_ticket ticket, int *done);
 
 // Asks for a write of 1 to the eventfd `fd` when the read completes (at
 // once if it already has): a C event loop waits on `fd` (epoll, poll,
 // io_uring) and then collects the ticket with `ws_ticket_poll`. One fd may
-// serve many tickets. The library duplicates `fd`; the caller keeps its
-// own and may close it any time. A later call replaces the earlier fd.
-ws_status ws_ticket_notify(ws_ticket ticket, int fd);
+// serve many tickets. Anything but an eventfd is `WS_ERR_INVALID` (a pipe
+// could block the I/O thread). The library duplicates `fd`; the caller
+// keeps its own and may close it any time. A later call replaces the
+// earlier fd. A ticket another thread is waiting on is `WS_ERR_BUSY`.
+enum ws_status ws_ticket_notify(struct ws_ticket ticket, int fd);
 
 // Drops a ticket. Not yet collected: a read still in flight completes
 // later, and until it does its bytes of memory stay busy (and
@@ -472,40 +563,7 @@ ws_status ws_ticket_notify(ws_ticket ticket, int fd);
 // (`WS_READ_HOLD`, `ws_read_any`): gives them back. A second free is
 // `WS_ERR_HANDLE`; a free while another thread waits on the ticket is
 // `WS_ERR_BUSY`.
-ws_status ws_ticket_free(ws_ticket ticket);
-
-// An arena the engine owns: `bytes` of page-aligned memory (2 MiB pages
-// where the kernel gives them), registered with the rings, read into with
-// `ws_read_into` (at offsets `ws_memory_placement` gives) or
-// `ws_read_any`. `populate` non-zero faults it in now. Freed by
-// `ws_memory_unregister` once no read is in flight.
-//
-// # Safety
-// `out` is valid for a write.
-ws_status ws_arena_create(ws_engine engine, size_t bytes, int populate, ws_memory *out);
-
-// An arena of `count` fixed slots of `slot_bytes` each, the engine's,
-// registered with the rings: `ws_read_any` takes a free slot for each
-// read (a slot holds any tensor of up to `slot_bytes`; the payload lands
-// at `file_offset % align` in it). Freed by `ws_memory_unregister` once
-// no read is in flight.
-//
-// # Safety
-// `out` is valid for a write.
-ws_status ws_arena_create_slots(ws_engine engine, size_t slot_bytes, size_t count, ws_memory *out);
-
-// A summary of the engine's counters.
-//
-// # Safety
-// `out` is valid for a write.
-ws_status ws_engine_stats(ws_engine engine, ws_stats *out);
-
-// Every counter of the engine as JSON (`Stats`: per drive, by cause, the
-// warnings' text), to be freed with `ws_string_free`.
-//
-// # Safety
-// `json` is valid for a write.
-ws_status ws_engine_stats_json(ws_engine engine, char **json);
+enum ws_status ws_ticket_free(struct ws_ticket ticket);
 
 // The message of the last failed `ws_` call on this thread: which call,
 // the file, the operation and the cause. Never NULL ("" before any
@@ -517,6 +575,13 @@ const char *ws_last_error(void);
 // a value that is none of them; never NULL, static. Takes the code as an
 // integer so any value is safe to pass.
 const char *ws_status_name(int32_t status);
+
+// Frees a string this library returned (the `json` outputs). NULL is a
+// no-op. The string is `malloc`ed: `free` works as well.
+//
+// # Safety
+// `s` is NULL or a string from this library not freed before.
+void ws_string_free(char *s);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -4,8 +4,11 @@
 //!
 //! Every handle is a number in a table ([`handles`]), every entry point runs
 //! in [`status::guard`] (no panic crosses the boundary; an error is a code
-//! plus a thread-local message), and every pointer the caller passes is
-//! checked for NULL before use. The unsafe here is only the reading and
+//! plus a thread-local message; a forked child is refused before any lock),
+//! and every pointer the caller passes is checked for NULL before use. The
+//! modules follow the handles: [`model`], [`engine`], [`memory`] (the
+//! caller's and the engine's), [`read`] (reads and tickets); [`types`] are
+//! the C structs, [`util`] reads and writes the caller's pointers. The unsafe here is only the reading and
 //! writing of the caller's pointers and the lending of the caller's memory
 //! to the engine (`Engine::register_memory`, whose obligations the header
 //! hands on to the caller word for word).
@@ -13,12 +16,33 @@
 #![allow(non_camel_case_types)]
 #![allow(clippy::missing_safety_doc)] // every pub unsafe fn has `# Safety` below; the lint misses extern "C"
 
+mod engine;
 mod handles;
-mod objects;
+mod memory;
+mod model;
+mod read;
 mod status;
+mod types;
+mod util;
 
-pub use objects::*;
+pub use engine::{
+    ws_engine_create, ws_engine_create_env, ws_engine_direct_align, ws_engine_options_default, ws_engine_shutdown,
+    ws_engine_stats, ws_engine_stats_json,
+};
+pub use memory::{
+    ws_arena_create, ws_arena_create_slots, ws_memory_placement, ws_memory_register, ws_memory_unregister,
+};
+pub use model::{
+    ws_model_close, ws_model_find, ws_model_open, ws_model_open_env, ws_model_options_default, ws_model_tensor,
+    ws_model_tensor_count, ws_model_verify,
+};
+pub use read::{
+    ws_read_any, ws_read_batch, ws_read_into, ws_ticket_free, ws_ticket_is_done, ws_ticket_notify, ws_ticket_poll,
+    ws_ticket_wait,
+};
 pub use status::{ws_last_error, ws_status, ws_status_name};
+pub use types::*;
+pub use util::ws_string_free;
 
 /// The ABI's major version: a change that breaks a caller built against an
 /// older header bumps it.

@@ -49,8 +49,14 @@ pub enum ws_status {
     /// A read failed on every copy, a drive stopped, or a file ended early.
     WS_ERR_READ = -12,
     /// A bug in this library: it panicked; the message has the panic's text.
-    /// The handles involved stay as they were.
+    /// The handles involved stay usable (a ticket whose call panicked can be
+    /// freed).
     WS_ERR_PANIC = -13,
+    /// A read failed because its drive's I/O thread stopped with the read
+    /// still in the kernel: the kernel may yet write the read's bytes. Do
+    /// not reuse them; the memory never unregisters with `WS_OK` after this
+    /// (leak it).
+    WS_ERR_ABANDONED = -14,
 }
 
 /// A failed call: the code and the message `ws_last_error` returns.
@@ -74,9 +80,11 @@ impl From<ws::Error> for Fail {
             E::Header { .. } | E::Catalog { .. } | E::Experts(_) => ws_status::WS_ERR_FORMAT,
             E::NoSuchTensor { .. } => ws_status::WS_ERR_NOT_FOUND,
             E::SlotTooSmall { .. } => ws_status::WS_ERR_TOO_SMALL,
-            E::OutOfRange { .. } | E::UnexpectedEof { .. } | E::ReadFailed { .. } | E::DriveStopped { .. } => {
-                ws_status::WS_ERR_READ
-            }
+            E::OutOfRange { .. } | E::UnexpectedEof { .. } | E::ReadFailed { .. } => ws_status::WS_ERR_READ,
+            // The ring died with chunks in flight: they are abandoned in the
+            // kernel, their slot leaked (never freed early), and the caller
+            // must not reuse the bytes either.
+            E::DriveStopped { .. } => ws_status::WS_ERR_ABANDONED,
             E::Forked { .. } => ws_status::WS_ERR_FORKED,
             E::Take(_) => ws_status::WS_ERR_BUSY,
             _ => ws_status::WS_ERR_CONFIG,
@@ -154,7 +162,7 @@ pub extern "C" fn ws_last_error() -> *const c_char {
 #[no_mangle]
 pub extern "C" fn ws_status_name(status: i32) -> *const c_char {
     use ws_status::*;
-    const ALL: [(ws_status, &std::ffi::CStr); 16] = [
+    const ALL: [(ws_status, &std::ffi::CStr); 17] = [
         (WS_OK, c"WS_OK"),
         (WS_PENDING, c"WS_PENDING"),
         (WS_TIMEOUT, c"WS_TIMEOUT"),
@@ -171,6 +179,7 @@ pub extern "C" fn ws_status_name(status: i32) -> *const c_char {
         (WS_ERR_FORKED, c"WS_ERR_FORKED"),
         (WS_ERR_READ, c"WS_ERR_READ"),
         (WS_ERR_PANIC, c"WS_ERR_PANIC"),
+        (WS_ERR_ABANDONED, c"WS_ERR_ABANDONED"),
     ];
     ALL.iter()
         .find(|(s, _)| *s as i32 == status)
