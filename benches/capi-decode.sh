@@ -7,7 +7,8 @@
 #
 #   benches/capi-decode.sh [OUT_DIR]
 #   KINDS (default "memloop zram"), ROUNDS (default 10), STEPS (default 6),
-#   K (experts per layer per step, default 4), SIZE (gen --size, default 2GiB)
+#   K (experts per layer per step, default 4), SIZE (gen --size, default 2GiB),
+#   THREAD_ROUNDS (rounds of examples/submit_threads.c at 1, 2, 4, 8 threads, default 3)
 # Writes OUT_DIR/KIND.jsonl (one line per run, with "arm") and
 # OUT_DIR/table.md (medians, the C/Rust ratio of each round's pair,
 # CPU s/GB). Default OUT_DIR: docs/benchmarks/DATE-capi-decode.
@@ -24,7 +25,8 @@ k=${K:-4}
 size=${SIZE:-2GiB}
 out=${1:-docs/benchmarks/$(date +%F)-capi-decode}
 mkdir -p "$out"
-cargo build --release --quiet -p weightstream-cli -p weightstream-capi --example decode
+cargo build --release --quiet -p weightstream-cli -p weightstream-capi
+cargo build --release --quiet -p weightstream-capi --example decode
 rel=$root/target/release
 tmp=$(mktemp -d)
 mkdir -p "$tmp/lib"
@@ -32,6 +34,8 @@ ln -s "$rel/libweightstream.so" "$tmp/lib/libweightstream.so"
 ln -s "$rel/libweightstream.so" "$tmp/lib/libweightstream.so.1"
 cc -std=c11 -O2 -Wall -Wextra -Werror -Icrates/capi/include crates/capi/examples/decode.c \
     -L"$tmp/lib" -lweightstream -Wl,-rpath,"$tmp/lib" -o "$tmp/decode-c"
+cc -std=c11 -O2 -Wall -Wextra -Werror -Icrates/capi/include crates/capi/examples/submit_threads.c \
+    -L"$tmp/lib" -lweightstream -lpthread -Wl,-rpath,"$tmp/lib" -o "$tmp/submit-threads"
 export SIMDRIVES_BASE=/tmp/ws-capi-decode
 cleanup() { "$simdrives" down >/dev/null 2>&1 || true; rm -rf "$tmp"; }
 trap cleanup EXIT
@@ -57,6 +61,15 @@ for kind in $kinds; do
             echo "{\"arm\": \"$arm\", \"round\": $r, ${line#\{}" >> "$out/$kind.jsonl"
         done
     done
+    # Submission from 1, 2, 4 and 8 threads into one memory (64 KiB reads,
+    # one in flight per thread), THREAD_ROUNDS interleaved rounds of 2 s.
+    : > "$out/$kind-threads.jsonl"
+    for r in $(seq 1 "${THREAD_ROUNDS:-3}"); do
+        for t in 1 2 4 8; do
+            cold
+            "$tmp/submit-threads" "$dir" "$t" 2 65536 >> "$out/$kind-threads.jsonl"
+        done
+    done
     "$simdrives" down >/dev/null 2>&1 || true
 done
 python3 - "$out" $kinds > "$out/table.md" <<'PY'
@@ -75,5 +88,18 @@ for kind in kinds:
         rr = f"{st.median(ratio):.3f} ({min(ratio):.2f}-{max(ratio):.2f})" if arm == "c" else "1"
         bad = sum(r["fallbacks"] + r["staged"] for r in by[arm])
         print(f"| {kind} | {label} | {st.median(g):.3f} ({min(g):.2f}-{max(g):.2f}) | {rr} | {cpu:.4f} | {len(g)} | {by[arm][0]['bytes']} |" + (f" fallbacks/staged: {bad}" if bad else ""))
+print()
+print("| drive | threads submitting (64 KiB reads, one in flight each) | reads/s median | x one thread | GB/s |")
+print("|---|---|---|---|---|")
+for kind in kinds:
+    try:
+        rows = [json.loads(l) for l in open(f"{out}/{kind}-threads.jsonl")]
+    except FileNotFoundError:
+        continue
+    one = st.median(r["reads_per_s"] for r in rows if r["threads"] == 1)
+    for t in sorted({r["threads"] for r in rows}):
+        v = [r for r in rows if r["threads"] == t]
+        rps = st.median(r["reads_per_s"] for r in v)
+        print(f"| {kind} | {t} | {rps:.0f} | {rps / one:.2f} | {st.median(r['gbps'] for r in v):.3f} |")
 PY
 cat "$out/table.md"
