@@ -30,11 +30,13 @@ import statistics
 import subprocess
 import sys
 
-ARMS = ["weightstream", "weightstream-reused", "weightstream-before", "fresh-read", "safetensors", "runai", "fastsafetensors"]
+ARMS = ["weightstream", "weightstream-reused", "weightstream-before", "ws-py-load", "ws-py-safeopen", "fresh-read", "safetensors", "runai", "fastsafetensors"]
 WHAT = {
     "weightstream": "weightstream load",
     "weightstream-reused": "weightstream load --memory reused (judged against fio's best)",
     "weightstream-before": "weightstream load, the build before (WS_BEFORE_BIN)",
+    "ws-py-load": "weightstream.load (Python)",
+    "ws-py-safeopen": "weightstream.safe_open + get_tensor (Python)",
     "fresh-read": "fresh-read.c: the files' bytes O_DIRECT into fresh memory, no tensors (not a loader)",
     "safetensors": "safetensors.torch.load_file",
     "runai": "runai SafetensorsStreamer",

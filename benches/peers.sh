@@ -35,6 +35,9 @@
 #        runai            arm.py runai: runai_model_streamer.SafetensorsStreamer,
 #                         its defaults
 #        fastsafetensors  arm.py fastsafetensors: SafeTensorsFileLoader, nogds=True
+#        ws-py-load, ws-py-safeopen  (in ARMS only) the Python module's load
+#                         and its safe_open + get_tensor (arm.py), the
+#                         module built from this tree into the venv
 #      each run's JSON in OUT/KIND-ARM-ROUND.json (its stderr beside it in
 #      .err when there is any). An arm that fails is recorded (OUT/failures.txt,
 #      its stderr kept) and the run goes on. In an arm's first successful
@@ -90,6 +93,12 @@ else
 fi
 "$ws" load-ceiling --help >/dev/null 2>&1 || { echo "peers: $ws has no load-ceiling command" >&2; exit 1; }
 py=$(benches/peers/venv.sh)
+# The Python module's arms (ws-py-load, ws-py-safeopen) run this tree's
+# module: built and installed into the venv (the workspace's target folder,
+# release, as the command's arm).
+if [[ " ${arms[*]} " == *" ws-py-"* ]]; then
+    CARGO_TARGET_DIR=$root/target "$py" -m pip install --quiet --force-reinstall --no-deps ./python
+fi
 # The least a loader can do (benches/peers/fresh_read.c): built here.
 fresh_read=$(mktemp -d)/fresh_read
 cc -O2 -pthread -o "$fresh_read" benches/peers/fresh_read.c

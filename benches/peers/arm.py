@@ -17,6 +17,11 @@ ARM:
                     SingleGroup(), "cpu", nogds=True), add_filenames,
                     copy_files_to_device, get_tensor of every key; the
                     loader and its buffers alive until the clock stops
+  ws-py-load        weightstream.load(MODEL_DIR): the Python module's whole-
+                    model load (one mapping, every drive), torch tensors
+  ws-py-safeopen    weightstream.safe_open(shard, framework="pt") and
+                    get_tensor of every key, per shard: the drop-in for
+                    safetensors' reader (each tensor in memory of its own)
   digest-reference  no loader: each file's header parsed here (8-byte
                     little-endian length, JSON, data_offsets) and each
                     tensor's bytes read and hashed; needs --digest. The
@@ -62,7 +67,7 @@ import time
 from importlib.metadata import PackageNotFoundError, version
 
 PAGE = 4096
-ARMS = ("safetensors", "runai", "fastsafetensors", "digest-reference")
+ARMS = ("safetensors", "runai", "fastsafetensors", "ws-py-load", "ws-py-safeopen", "digest-reference")
 
 
 def shard_list(model_dir):
@@ -228,6 +233,9 @@ def main():
         # cloned as it arrives (copied: true), else the bytes kept would be
         # another tensor's by the time the clock stops.
         copied = "owned" not in inspect.signature(SafetensorsStreamer.stream_files).parameters
+    elif a.arm in ("ws-py-load", "ws-py-safeopen"):
+        import weightstream
+        pkg = "weightstream"
     else:
         from fastsafetensors import SafeTensorsFileLoader, SingleGroup
         pkg = "fastsafetensors"
@@ -243,7 +251,18 @@ def main():
     t0 = time.perf_counter()
     # ---- timed ----
     shards = shard_list(model_dir)
-    if a.arm == "safetensors":
+    if a.arm == "ws-py-load":
+        # The model's own index and shards, read by the library (the shard
+        # list above is not needed, and costs the same as the others').
+        held = weightstream.load(model_dir)
+    elif a.arm == "ws-py-safeopen":
+        for shard in shards:
+            with weightstream.safe_open(shard, framework="pt") as f:
+                for name in f.keys():
+                    if name in held:
+                        sys.exit(f"arm.py: {name} is in more than one shard")
+                    held[name] = f.get_tensor(name)
+    elif a.arm == "safetensors":
         for shard in shards:
             for name, t in load_file(shard).items():
                 if name in held:

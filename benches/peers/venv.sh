@@ -8,17 +8,18 @@
 # WS_PEERS_PIP_ARGS: extra `pip install` arguments (e.g. an index for a
 # CPU-only torch), used only when the venv is made or completed.
 #
-# The check imports torch, safetensors, numpy, runai_model_streamer and
-# fastsafetensors; when all import, nothing is installed and only the path
+# The check imports torch, safetensors, numpy, runai_model_streamer,
+# fastsafetensors, pytest and transformers (ci/python's tests run in this
+# venv too); when all import, nothing is installed and only the path
 # is printed (idempotent, quiet). Otherwise `python3 -m venv` (if there is
 # no venv yet) and `pip install torch safetensors numpy runai-model-streamer
-# fastsafetensors`, their output on stderr. Versions are not pinned: every
+# fastsafetensors pytest transformers`, their output on stderr. Versions are not pinned: every
 # arm's JSON records the versions it ran with.
 set -euo pipefail
 dir=${WS_PEERS_VENV:-/var/cache/weightstream/peers-venv}
 py=$dir/bin/python
-pkgs=(torch safetensors numpy runai-model-streamer fastsafetensors)
-mods="torch, safetensors, numpy, runai_model_streamer, fastsafetensors"
+pkgs=(torch safetensors numpy runai-model-streamer fastsafetensors pytest transformers)
+mods="torch, safetensors, numpy, runai_model_streamer, fastsafetensors, pytest, transformers"
 
 complete() { [ -x "$py" ] && "$py" -c "import $mods" >/dev/null 2>&1; }
 

@@ -5,7 +5,7 @@
 //! policy. Read from a builder or from the environment; every directory is
 //! validated before anything is opened.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 use crate::config::env;
@@ -146,6 +146,11 @@ pub struct ModelConfig {
     pub route: RoutePolicy,
     /// Whether reads use O_DIRECT.
     pub direct: DirectMode,
+    /// Only the shards of these file names (found along the primary and
+    /// split directories, with their mirror copies), the primary's index
+    /// ignored: one file opened on its own, as `safe_open(path)` does.
+    /// Empty: every shard (the default).
+    pub only: Vec<std::ffi::OsString>,
 }
 
 impl ModelConfig {
@@ -158,7 +163,36 @@ impl ModelConfig {
             weights: Weights::Equal,
             route: RoutePolicy::Adaptive,
             direct: DirectMode::Auto,
+            only: Vec::new(),
         }
+    }
+
+    /// One `.safetensors` file on its own: its directory as the primary,
+    /// only that file ([`ModelConfig::only`]). A path without a file name
+    /// (`/`, `..`) is taken as a directory.
+    pub fn file(path: impl Into<PathBuf>) -> Self {
+        let path = path.into();
+        match (path.parent(), path.file_name()) {
+            (Some(dir), Some(name)) => {
+                let dir = if dir.as_os_str().is_empty() {
+                    Path::new(".")
+                } else {
+                    dir
+                };
+                ModelConfig::new(dir).only([name])
+            }
+            _ => ModelConfig::new(path),
+        }
+    }
+
+    /// Opens only the shards of these file names ([`ModelConfig::only`]).
+    pub fn only<I, S>(mut self, names: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<std::ffi::OsString>,
+    {
+        self.only = names.into_iter().map(Into::into).collect();
+        self
     }
 
     /// Sets the O_DIRECT mode.

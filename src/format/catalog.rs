@@ -168,6 +168,18 @@ impl Catalog {
     #[doc(hidden)]
     pub fn new(dir: &Path, shards: Vec<ShardInfo>) -> Result<Self> {
         let index = read_index(dir)?;
+        Self::build(dir, shards, index)
+    }
+
+    /// [`Catalog::new`] without the directory's index: some of its shards
+    /// opened on their own ([`ModelConfig::only`](crate::ModelConfig::only));
+    /// a name held by two of them is then an error (no index to choose).
+    #[doc(hidden)]
+    pub fn without_index(dir: &Path, shards: Vec<ShardInfo>) -> Result<Self> {
+        Self::build(dir, shards, None)
+    }
+
+    fn build(dir: &Path, shards: Vec<ShardInfo>, index: Option<HashMap<String, String>>) -> Result<Self> {
         // Every holder of every name first, so the index can pick any of them.
         let mut holders: HashMap<&str, Vec<(usize, &crate::format::container::TensorEntry)>> = HashMap::new();
         for (si, shard) in shards.iter().enumerate() {

@@ -63,8 +63,17 @@ impl Model {
         // A placed model (`weightstream place`): its layout index names the
         // roots and the files; no environment variable needed.
         let (config, placed) = placed::for_open(config)?;
+        if placed.is_some() && !config.only.is_empty() {
+            return Err(Error::catalog(
+                &config.primary,
+                "a placed model is opened whole: its layout index names its files (no `only`)",
+            ));
+        }
         let roots = roots::validate_roots(&config)?;
-        let found = search_path(&roots, &config.primary, placed.as_ref())?;
+        let mut found = search_path(&roots, &config.primary, placed.as_ref())?;
+        if !config.only.is_empty() {
+            found = only(found, &config.only, &config.primary)?;
+        }
         let mirrors: Vec<&Root> = roots.iter().filter(|r| r.role == RootRole::Mirror).collect();
         if mirrors.len() + 1 > MAX_COPY_RANKS {
             return Err(Error::Config(format!(
@@ -86,7 +95,13 @@ impl Model {
         let shards = b.open_primaries(found, &roots)?;
         let mut copies: Vec<Vec<usize>> = (0..shards.len()).map(|i| vec![i]).collect();
         let mirror_ranks = b.add_mirrors(&mirrors, &shards, &mut copies)?;
-        let catalog = Catalog::new(&config.primary, shards)?;
+        let catalog = if config.only.is_empty() {
+            Catalog::new(&config.primary, shards)?
+        } else {
+            // The chosen files on their own: the directory's index describes
+            // the whole model, not them.
+            Catalog::without_index(&config.primary, shards)?
+        };
         let keys = group_keys(&catalog);
         let shared_mirrors = warn_shared_filesystems(&b.files, &copies, &b.drives);
         let weights = weighting(&config.weights, mirror_ranks)?;
@@ -153,6 +168,18 @@ fn search_path(roots: &[Root], primary: &Path, placed: Option<&Placed>) -> Resul
         );
     }
     Ok(found)
+}
+
+/// The shards of `found` named in `only`; a name not found is an error
+/// naming it (and where it was looked for).
+fn only(found: Vec<Found>, only: &[std::ffi::OsString], primary: &Path) -> Result<Vec<Found>> {
+    if let Some(missing) = only.iter().find(|n| !found.iter().any(|f| &f.name == *n)) {
+        return Err(Error::catalog(
+            primary.join(missing),
+            "no such *.safetensors shard in this directory (or its split directories)",
+        ));
+    }
+    Ok(found.into_iter().filter(|f| only.contains(&f.name)).collect())
 }
 
 /// Copies a model may open: every shard found, plus each mirror entry present.

@@ -1,0 +1,474 @@
+//! `weightstream._native`: the Rust side of the `weightstream` Python
+//! package (the package itself, `weightstream/`, is the Python API).
+//!
+//! - [`Reader`]: one file or a model directory, opened with an engine: its
+//!   tensors' names, dtypes, shapes and metadata, and reads of a tensor,
+//!   a byte range or rows of it into fresh memory of its own.
+//! - [`load`]: a whole-model load (`Engine::load_all`), every tensor in one
+//!   mapping, each an owned payload.
+//! - [`dlpack::Payload`]: what both return: memory no read writes any more
+//!   and the engine never reuses while Python holds it, exported through
+//!   DLPack without a copy.
+//!
+//! Every read and every wait runs with the GIL released. A load runs on a
+//! thread of its own while the caller's thread checks for signals, so
+//! Ctrl-C raises `KeyboardInterrupt` within 50 ms; the abandoned load then
+//! finishes into memory Python never sees, and frees it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use pyo3::create_exception;
+use pyo3::exceptions::{PyException, PyFileNotFoundError, PyOSError, PyValueError};
+use pyo3::prelude::*;
+
+mod dlpack;
+
+use dlpack::{Bytes, Payload};
+
+/// One tensor handed to Python: `(name, dtype, shape, payload)`.
+type Item = (String, String, Vec<usize>, Payload);
+
+create_exception!(
+    _native,
+    SafetensorError,
+    PyException,
+    "A file refused (its header, its index, a missing tensor): as safetensors' own SafetensorError."
+);
+
+/// A library error as the Python exception a safetensors caller expects:
+/// a missing file is `FileNotFoundError`, another I/O error `OSError`, a
+/// refused header, index or missing tensor `SafetensorError`, a bad setting
+/// `ValueError`. The message is the library's: file, operation, cause.
+fn to_py(e: ws::Error) -> PyErr {
+    match &e {
+        ws::Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
+            PyFileNotFoundError::new_err(e.to_string())
+        }
+        ws::Error::Io { .. } => PyOSError::new_err(e.to_string()),
+        ws::Error::NoSuchTensor { name, .. } => {
+            SafetensorError::new_err(format!("File does not contain tensor {name} ({e})"))
+        }
+        ws::Error::Config(_) => PyValueError::new_err(e.to_string()),
+        _ => SafetensorError::new_err(e.to_string()),
+    }
+}
+
+fn layout(
+    path: &str,
+    dirs: Option<Vec<String>>,
+    mirrors: Option<Vec<String>>,
+    route: Option<&str>,
+    direct: Option<&str>,
+) -> PyResult<ws::ModelConfig> {
+    let p = std::path::Path::new(path);
+    if !p.exists() {
+        // As safetensors says it, before anything else is looked at.
+        return Err(PyFileNotFoundError::new_err(format!(
+            "No such file or directory: {path}"
+        )));
+    }
+    let mut c = if p.is_dir() {
+        ws::ModelConfig::new(p)
+    } else {
+        ws::ModelConfig::file(p)
+    };
+    if let Some(d) = dirs {
+        c = c.dirs(d);
+    }
+    if let Some(m) = mirrors {
+        c = c.mirrors(m);
+    }
+    if let Some(r) = route {
+        c = c.route(r.parse().map_err(to_py)?);
+    }
+    if let Some(d) = direct {
+        c = c.direct(d.parse().map_err(to_py)?);
+    }
+    Ok(c)
+}
+
+/// A file or a model, open, with an engine: what `safe_open` wraps.
+#[pyclass(module = "weightstream._native")]
+struct Reader {
+    model: ws::Model,
+    engine: Option<ws::Engine>,
+    path: String,
+}
+
+impl Reader {
+    fn engine(&self) -> PyResult<&ws::Engine> {
+        self.engine
+            .as_ref()
+            .ok_or_else(|| PyValueError::new_err(format!("{}: closed", self.path)))
+    }
+
+    fn tensor(&self, name: &str) -> PyResult<&ws::TensorRef> {
+        self.model.tensor(name).map_err(to_py)
+    }
+}
+
+/// Reads `part` into fresh memory of its own (a packed arena sized for it:
+/// the payload in place, O_DIRECT), with the GIL released.
+fn read_one(py: Python<'_>, engine: &ws::Engine, part: &ws::TensorRef) -> PyResult<Payload> {
+    if part.len == 0 {
+        return Ok(Payload {
+            bytes: Arc::new(Bytes::Empty),
+        });
+    }
+    let loaded = py
+        .detach(|| -> ws::Result<ws::Loaded> {
+            let arena = engine.packed_arena_for(&[part], 1, false)?;
+            let slot = arena.take_for(part)?;
+            engine.read(part, slot)?.wait()
+        })
+        .map_err(to_py)?;
+    Ok(Payload {
+        bytes: Arc::new(Bytes::Loaded(loaded)),
+    })
+}
+
+#[pymethods]
+impl Reader {
+    /// Opens `path`: a `.safetensors` file on its own, or a model directory
+    /// (its index, split `dirs`, `mirrors`). `route` and `direct` as the
+    /// command line's.
+    #[new]
+    #[pyo3(signature = (path, dirs=None, mirrors=None, route=None, direct=None))]
+    fn new(
+        py: Python<'_>,
+        path: &str,
+        dirs: Option<Vec<String>>,
+        mirrors: Option<Vec<String>>,
+        route: Option<&str>,
+        direct: Option<&str>,
+    ) -> PyResult<Self> {
+        let config = layout(path, dirs, mirrors, route, direct)?;
+        let (model, engine) = py
+            .detach(|| -> ws::Result<_> {
+                let model = ws::Model::open(config)?;
+                let engine = ws::Engine::new(&model, ws::EngineConfig::from_env()?)?;
+                Ok((model, engine))
+            })
+            .map_err(to_py)?;
+        Ok(Reader {
+            model,
+            engine: Some(engine),
+            path: path.to_string(),
+        })
+    }
+
+    /// Every tensor name, sorted.
+    fn keys(&self) -> Vec<String> {
+        self.model.catalog().tensors().iter().map(|t| t.name.clone()).collect()
+    }
+
+    /// The `__metadata__` of the file (of the first shard that has one for
+    /// a model), or None.
+    fn metadata(&self) -> Option<std::collections::HashMap<String, String>> {
+        self.model
+            .catalog()
+            .shards()
+            .iter()
+            .find_map(|s| s.header.metadata.clone())
+    }
+
+    /// `(dtype, shape, nbytes, file_offset)` of `name`.
+    fn info(&self, name: &str) -> PyResult<(String, Vec<usize>, u64, u64)> {
+        let t = self.tensor(name)?;
+        Ok((t.dtype.name().to_string(), t.shape.clone(), t.len, t.offset))
+    }
+
+    /// The payload of `name`, or bytes `[start, end)` of it, in memory of
+    /// its own.
+    #[pyo3(signature = (name, start=None, end=None))]
+    fn read(&self, py: Python<'_>, name: &str, start: Option<u64>, end: Option<u64>) -> PyResult<Payload> {
+        let t = self.tensor(name)?;
+        let engine = self.engine()?;
+        match (start, end) {
+            (None, None) => read_one(py, engine, t),
+            (s, e) => {
+                let (s, e) = (s.unwrap_or(0), e.unwrap_or(t.len));
+                if s == e && s <= t.len {
+                    return Ok(Payload {
+                        bytes: Arc::new(Bytes::Empty),
+                    });
+                }
+                let part = t
+                    .byte_range(s..e)
+                    .map_err(|err| PyValueError::new_err(err.to_string()))?;
+                read_one(py, engine, &part)
+            }
+        }
+    }
+
+    /// Reads `name` (or bytes `[start, end)` of it) into `nbytes` bytes at
+    /// address `address`: the memory of a tensor or array the Python layer
+    /// checked (contiguous, writable, on the CPU, of this size) and keeps
+    /// alive, and that nothing else touches, during this call (which
+    /// returns only once the read is complete). Private: the Python layer's
+    /// `Engine.read_into` is the API.
+    #[pyo3(signature = (name, address, nbytes, start=None, end=None))]
+    fn _read_into_address(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        address: usize,
+        nbytes: usize,
+        start: Option<u64>,
+        end: Option<u64>,
+    ) -> PyResult<()> {
+        let t = self.tensor(name)?;
+        let part = match (start, end) {
+            (None, None) => t.clone(),
+            (s, e) => t
+                .byte_range(s.unwrap_or(0)..e.unwrap_or(t.len))
+                .map_err(|err| PyValueError::new_err(err.to_string()))?,
+        };
+        if part.len as usize != nbytes {
+            return Err(PyValueError::new_err(format!(
+                "tensor {name}: {} bytes to read, the buffer has {nbytes}",
+                part.len
+            )));
+        }
+        if nbytes == 0 {
+            return Ok(());
+        }
+        if address == 0 {
+            return Err(PyValueError::new_err("a NULL buffer"));
+        }
+        let engine = self.engine()?;
+        py.detach(|| -> ws::Result<()> {
+            let ptr = std::ptr::NonNull::new(address as *mut u8).expect("checked non-zero above");
+            // SAFETY: the Python layer's contract above: `nbytes` writable
+            // bytes at `address`, kept alive and untouched by anyone else
+            // until this returns; the arena is released (nothing in flight)
+            // before it does.
+            let arena = unsafe { engine.register_memory(ptr, nbytes) }?;
+            let r = engine
+                .read_into(&part, &arena, 0, ws::Scratch::None)
+                .and_then(|t| t.wait().map(drop));
+            if arena.release(Duration::from_secs(3600)).is_err() {
+                // Unreachable short of a read left in the kernel by a dead
+                // drive: never return while it may still write.
+                loop {
+                    std::thread::sleep(Duration::from_secs(3600));
+                }
+            }
+            r
+        })
+        .map_err(to_py)
+    }
+
+    /// Every counter of the engine, as JSON text.
+    fn stats_json(&self) -> PyResult<String> {
+        serde_json::to_string(&self.engine()?.stats()).map_err(|e| PyValueError::new_err(e.to_string()))
+    }
+
+    /// Stops the engine (bounded: `timeout` seconds for reads in flight;
+    /// payloads already handed out stay valid). Returns whether it drained.
+    #[pyo3(signature = (timeout=10.0))]
+    fn close(&mut self, py: Python<'_>, timeout: f64) -> bool {
+        match self.engine.take() {
+            Some(e) => py.detach(|| e.shutdown(Duration::from_secs_f64(timeout.clamp(0.0, 3600.0))).drained),
+            None => true,
+        }
+    }
+}
+
+/// A whole-model (or filtered) load: `[(name, dtype, shape, payload)]` in
+/// name order, every payload in one mapping that lives while any of them
+/// does; plus the report as JSON text.
+#[pyfunction]
+#[pyo3(signature = (path, dirs=None, mirrors=None, route=None, direct=None, names=None))]
+fn load(
+    py: Python<'_>,
+    path: &str,
+    dirs: Option<Vec<String>>,
+    mirrors: Option<Vec<String>>,
+    route: Option<&str>,
+    direct: Option<&str>,
+    names: Option<Vec<String>>,
+) -> PyResult<(Vec<Item>, String)> {
+    let config = layout(path, dirs, mirrors, route, direct)?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    // The load runs on a thread of its own: this one only waits, checking
+    // for signals (Ctrl-C) every 50 ms. An abandoned load finishes into
+    // memory that Python never sees and frees it (no read is left writing
+    // into anything Python holds).
+    std::thread::Builder::new()
+        .name("ws-py-load".into())
+        .spawn(move || {
+            let r = (|| -> ws::Result<_> {
+                let model = ws::Model::open(config)?;
+                let engine = ws::Engine::new(&model, ws::EngineConfig::from_env()?)?;
+                let mut opts = ws::LoadOptions::new();
+                if let Some(n) = names.filter(|n| !n.is_empty()) {
+                    opts = opts.names_containing(n);
+                }
+                let loaded = engine.load_all(&opts)?;
+                let report = format!(
+                    "{{\"tensors\": {}, \"bytes\": {}, \"seconds\": {}, \"gbps\": {}}}",
+                    loaded.report().tensors,
+                    loaded.report().bytes,
+                    loaded.report().seconds,
+                    loaded.report().gbps()
+                );
+                let meta: Vec<(String, String, Vec<usize>)> = loaded
+                    .iter()
+                    .map(|v| (v.name().to_string(), v.dtype().name().to_string(), v.shape().to_vec()))
+                    .collect();
+                Ok((meta, loaded.into_loaded(), report))
+            })();
+            let _ = tx.send(r);
+        })
+        .map_err(|e| PyOSError::new_err(format!("start the load thread: {e}")))?;
+    // A Mutex to carry the receiver into the GIL-free closure (Sync).
+    let rx = std::sync::Mutex::new(rx);
+    loop {
+        let got = py.detach(|| {
+            rx.lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .recv_timeout(Duration::from_millis(50))
+        });
+        match got {
+            Ok(r) => {
+                let (meta, loaded, report) = r.map_err(to_py)?;
+                let out = meta
+                    .into_iter()
+                    .zip(loaded)
+                    .map(|((name, dtype, shape), l)| {
+                        let bytes = if l.bytes().is_empty() {
+                            Bytes::Empty
+                        } else {
+                            Bytes::Loaded(l)
+                        };
+                        (name, dtype, shape, Payload { bytes: Arc::new(bytes) })
+                    })
+                    .collect();
+                return Ok((out, report));
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => py.check_signals()?,
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                return Err(PyOSError::new_err(
+                    "the load thread ended without a result (it panicked)",
+                ))
+            }
+        }
+    }
+}
+
+/// Tensors read one after another, each into memory of its own (never
+/// reused: a tensor Python keeps holds nothing back), `window` in flight,
+/// handed out in order as each lands.
+#[pyclass(module = "weightstream._native")]
+struct Stream {
+    engine: ws::Engine,
+    todo: std::collections::VecDeque<ws::TensorRef>,
+    pending: std::collections::VecDeque<(ws::TensorRef, Option<ws::Ticket>)>,
+    window: usize,
+    _model: ws::Model,
+}
+
+impl Stream {
+    fn fill(&mut self) -> ws::Result<()> {
+        while self.pending.len() < self.window {
+            let Some(t) = self.todo.pop_front() else { break };
+            let ticket = if t.len == 0 {
+                None
+            } else {
+                let arena = self.engine.packed_arena_for(&[&t], 1, false)?;
+                let slot = arena.take_for(&t)?;
+                Some(self.engine.read(&t, slot)?)
+            };
+            self.pending.push_back((t, ticket));
+        }
+        Ok(())
+    }
+}
+
+#[pymethods]
+impl Stream {
+    #[new]
+    #[pyo3(signature = (path, dirs=None, mirrors=None, route=None, direct=None, names=None, window=8))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        path: &str,
+        dirs: Option<Vec<String>>,
+        mirrors: Option<Vec<String>>,
+        route: Option<&str>,
+        direct: Option<&str>,
+        names: Option<Vec<String>>,
+        window: usize,
+    ) -> PyResult<Self> {
+        let config = layout(path, dirs, mirrors, route, direct)?;
+        let (model, engine) = py
+            .detach(|| -> ws::Result<_> {
+                let model = ws::Model::open(config)?;
+                let engine = ws::Engine::new(&model, ws::EngineConfig::from_env()?)?;
+                Ok((model, engine))
+            })
+            .map_err(to_py)?;
+        let all = model.catalog().tensors();
+        let names = names.unwrap_or_default();
+        for n in &names {
+            if !all.iter().any(|t| t.name.contains(n.as_str())) {
+                return Err(PyValueError::new_err(format!("names: no tensor name contains {n:?}")));
+            }
+        }
+        let todo = all
+            .iter()
+            .filter(|t| names.is_empty() || names.iter().any(|n| t.name.contains(n.as_str())))
+            .cloned()
+            .collect();
+        Ok(Stream {
+            engine,
+            todo,
+            pending: Default::default(),
+            window: window.clamp(1, 1024),
+            _model: model,
+        })
+    }
+
+    fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    fn __next__(&mut self, py: Python<'_>) -> PyResult<Option<Item>> {
+        py.check_signals()?;
+        self.fill().map_err(to_py)?;
+        let Some((t, ticket)) = self.pending.pop_front() else {
+            return Ok(None);
+        };
+        let bytes = match ticket {
+            None => Bytes::Empty,
+            Some(ticket) => Bytes::Loaded(py.detach(|| ticket.wait()).map_err(to_py)?),
+        };
+        // The next reads start before Python works on this one.
+        self.fill().map_err(to_py)?;
+        Ok(Some((
+            t.name.clone(),
+            t.dtype.name().to_string(),
+            t.shape.clone(),
+            Payload { bytes: Arc::new(bytes) },
+        )))
+    }
+}
+
+/// The library's version.
+#[pyfunction]
+fn version() -> &'static str {
+    env!("CARGO_PKG_VERSION")
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Reader>()?;
+    m.add_class::<Payload>()?;
+    m.add_class::<Stream>()?;
+    m.add_function(wrap_pyfunction!(load, m)?)?;
+    m.add_function(wrap_pyfunction!(version, m)?)?;
+    m.add("SafetensorError", m.py().get_type::<SafetensorError>())?;
+    Ok(())
+}

@@ -1,0 +1,68 @@
+"""Models written by the reference writer (safetensors), for the tests."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def o_direct_dir(tmp_path_factory, name):
+    """A folder on a file system that reads O_DIRECT (tmpfs does not): under
+    /var/tmp when the test's own tmp is on tmpfs."""
+    base = tmp_path_factory.mktemp(name)
+    return str(base)
+
+
+@pytest.fixture(scope="session")
+def np_model(tmp_path_factory):
+    """One file of every numpy dtype, odd sizes, an empty and a scalar
+    tensor, and metadata; written by safetensors.numpy."""
+    from safetensors.numpy import save_file
+
+    d = o_direct_dir(tmp_path_factory, "np")
+    rng = np.random.default_rng(1)
+    t = {}
+    for dt in ["bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64", "float16", "float32", "float64"]:
+        shape = (rng.integers(1, 40), rng.integers(1, 300))
+        raw = rng.integers(0, 256, size=int(np.prod(shape)) * np.dtype(dt).itemsize, dtype=np.uint8)
+        a = raw.view(dt).reshape(shape) if dt != "bool" else (raw[: int(np.prod(shape))] & 1).astype(bool).reshape(shape)
+        t[f"t.{dt}"] = a
+    t["big"] = rng.standard_normal((1000, 700)).astype(np.float32)
+    t["empty"] = np.zeros((0, 5), np.float32)
+    t["scalar"] = np.array(2.5, np.float64)
+    path = os.path.join(d, "model.safetensors")
+    save_file(t, path, metadata={"format": "np", "who": "test"})
+    return path, t
+
+
+def weightstream_bin():
+    """The command (for `place`): WEIGHTSTREAM_BIN, else the workspace build."""
+    b = os.environ.get("WEIGHTSTREAM_BIN")
+    if b:
+        return b
+    for prof in ("release", "debug"):
+        p = os.path.join(REPO, "target", prof, "weightstream")
+        if os.path.exists(p):
+            return p
+    return shutil.which("weightstream")
+
+
+def torch_or_skip():
+    """torch, or a skip (a failure under WEIGHTSTREAM_REQUIRE_TORCH=1, as CI sets)."""
+    try:
+        import torch  # noqa: F401
+
+        return torch
+    except ImportError:
+        if os.environ.get("WEIGHTSTREAM_REQUIRE_TORCH") == "1":
+            pytest.fail("torch is required here (WEIGHTSTREAM_REQUIRE_TORCH=1)")
+        pytest.skip("torch is not installed")
+
+
+def run_python(code, timeout=300):
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)

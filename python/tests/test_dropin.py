@@ -1,0 +1,182 @@
+"""weightstream's readers against safetensors' own, call for call."""
+
+import os
+
+import numpy as np
+import pytest
+from conftest import torch_or_skip
+
+import weightstream
+from weightstream import safe_open
+from weightstream.numpy import load_file as np_load_file
+
+
+def test_numpy_load_file_equals_safetensors(np_model):
+    from safetensors.numpy import load_file
+
+    path, _ = np_model
+    ours, ref = np_load_file(path), load_file(path)
+    assert sorted(ours) == sorted(ref)
+    for k in ref:
+        assert ours[k].dtype == ref[k].dtype, k
+        assert ours[k].shape == ref[k].shape, k
+        assert ours[k].tobytes() == ref[k].tobytes(), k
+        assert ours[k].flags.writeable, k
+
+
+def test_safe_open_numpy_keys_metadata_tensors(np_model):
+    from safetensors import safe_open as st_open
+
+    path, _ = np_model
+    with safe_open(path, framework="np") as f, st_open(path, framework="np") as g:
+        assert f.keys() == sorted(g.keys())
+        assert f.metadata() == g.metadata() == {"format": "np", "who": "test"}
+        for k in g.keys():
+            a, b = f.get_tensor(k), g.get_tensor(k)
+            assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), k
+
+
+SLICES = [
+    np.s_[:],
+    np.s_[0:1],
+    np.s_[3:17],
+    np.s_[999:1000],
+    np.s_[5],
+    np.s_[:, 0:1],
+    np.s_[:, 7:300],
+    np.s_[10:20, 690:700],
+    np.s_[0:0],
+    np.s_[..., 3:4],
+    np.s_[2, 5:9],
+]
+
+
+@pytest.mark.parametrize("sl", SLICES, ids=[str(s) for s in SLICES])
+def test_get_slice_equals_safetensors(np_model, sl):
+    from safetensors import safe_open as st_open
+
+    path, _ = np_model
+    with safe_open(path, framework="np") as f, st_open(path, framework="np") as g:
+        a, b = f.get_slice("big"), g.get_slice("big")
+        assert a.get_shape() == list(b.get_shape()) and a.get_dtype() == b.get_dtype()
+        x, y = a[sl], b[sl]
+        assert x.shape == y.shape and x.dtype == y.dtype and np.array_equal(x, y)
+        assert x.flags.c_contiguous
+
+
+def test_a_slice_reads_only_its_rows(np_model):
+    path, _ = np_model
+    with safe_open(path, framework="np") as f:
+        before = f.stats()["bytes"]
+        f.get_slice("big")[10:20]
+        read = f.stats()["bytes"] - before
+        # 10 rows of 700 float32, in whole 4 KiB blocks at most two more.
+        assert 10 * 700 * 4 <= read <= 10 * 700 * 4 + 2 * 4096, read
+
+
+def test_errors_are_safetensors_errors(np_model, tmp_path):
+    from safetensors import safe_open as st_open
+
+    path, _ = np_model
+    missing = str(tmp_path / "nope.safetensors")
+    with pytest.raises(FileNotFoundError) as ours:
+        safe_open(missing, framework="np")
+    with pytest.raises(FileNotFoundError) as theirs:
+        st_open(missing, framework="np")
+    assert str(ours.value) == str(theirs.value)
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    with pytest.raises(weightstream.SafetensorError, match="bad.safetensors"):
+        safe_open(str(bad), framework="np")
+    with safe_open(path, framework="np") as f:
+        with pytest.raises(weightstream.SafetensorError, match="^File does not contain tensor nope"):
+            f.get_tensor("nope")
+        with pytest.raises(weightstream.SafetensorError):
+            f.get_slice("nope")
+    with pytest.raises(ValueError, match="device"):
+        safe_open(path, framework="np", device="cuda:0")
+    with pytest.raises(ValueError, match="framework"):
+        safe_open(path, framework="tf")
+
+
+def test_tensors_outlive_their_reader(np_model):
+    import gc
+
+    path, t = np_model
+    f = safe_open(path, framework="np")
+    big = f.get_tensor("big")
+    sl = f.get_slice("t.int32")[0:1]
+    assert f.close() is True
+    del f
+    gc.collect()
+    assert np.array_equal(big, t["big"])
+    assert np.array_equal(sl, t["t.int32"][0:1])
+    big += 1  # owned and writable: no one else sees or reuses these bytes
+    assert np.array_equal(big, t["big"] + np.float32(1))
+
+
+# Every dtype safetensors.torch writes, through torch.
+TORCH_DTYPES = [
+    "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+    "float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu",
+]
+
+
+@pytest.fixture(scope="module")
+def torch_model(tmp_path_factory):
+    torch = torch_or_skip()
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(3)
+    t = {}
+    for name in TORCH_DTYPES:
+        dt = getattr(torch, name, None)
+        if dt is None:
+            continue
+        shape = (int(torch.randint(1, 30, (1,), generator=g)), int(torch.randint(1, 200, (1,), generator=g)))
+        n = shape[0] * shape[1] * torch.empty((), dtype=dt).element_size()
+        raw = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+        t[f"t.{name}"] = raw.view(torch.bool if dt == torch.bool else dt).reshape(shape) if dt != torch.bool else (raw[: shape[0] * shape[1]] & 1).bool().reshape(shape)
+    t["empty"] = torch.zeros((0, 3), dtype=torch.bfloat16)
+    written = {}
+    path = str(tmp_path_factory.mktemp("pt") / "model.safetensors")
+    for k, v in list(t.items()):
+        try:
+            save_file({k: v}, path + ".probe")
+            written[k] = v
+        except Exception:  # the writer's own refusal: not a dtype it supports
+            pass
+    save_file(written, path, metadata={"format": "pt"})
+    return path, written
+
+
+def test_torch_load_file_equals_safetensors_for_every_dtype(torch_model):
+    torch = torch_or_skip()
+    from safetensors.torch import load_file
+
+    import weightstream.torch as wt
+
+    path, written = torch_model
+    assert len(written) >= 12, sorted(written)
+    ours, ref = wt.load_file(path), load_file(path)
+    assert sorted(ours) == sorted(ref)
+    for k in ref:
+        assert ours[k].dtype == ref[k].dtype and ours[k].shape == ref[k].shape, k
+        a, b = ours[k].contiguous().view(torch.uint8), ref[k].contiguous().view(torch.uint8)
+        assert torch.equal(a, b), k
+
+
+def test_torch_safe_open_and_slices(torch_model):
+    torch = torch_or_skip()
+    from safetensors import safe_open as st_open
+
+    path, _ = torch_model
+    with safe_open(path, framework="pt") as f, st_open(path, framework="pt") as g:
+        assert f.keys() == sorted(g.keys()) and f.metadata() == g.metadata()
+        for k in g.keys():
+            a, b = f.get_tensor(k), g.get_tensor(k)
+            assert a.dtype == b.dtype and a.shape == b.shape, k
+            assert torch.equal(a.view(torch.uint8) if a.numel() else a, b.view(torch.uint8) if b.numel() else b), k
+            if len(b.shape) == 2 and b.shape[0] > 2 and b.shape[1] > 2:
+                x, y = f.get_slice(k)[1:3, 1:2], g.get_slice(k)[1:3, 1:2]
+                assert x.shape == y.shape and torch.equal(x.view(torch.uint8), y.view(torch.uint8)), k

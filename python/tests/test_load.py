@@ -1,0 +1,257 @@
+"""Whole-model loads: layouts, filters, ownership, the GIL, Ctrl-C."""
+
+import gc
+import json
+import os
+import shutil
+import subprocess
+import threading
+
+import numpy as np
+import pytest
+from conftest import run_python, torch_or_skip, weightstream_bin
+
+import weightstream
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    """Three shards and their index, written by safetensors.numpy; layer i
+    of 6 in shard i mod 3."""
+    from safetensors.numpy import save_file
+
+    d = tmp_path_factory.mktemp("sharded")
+    rng = np.random.default_rng(7)
+    shards = [{}, {}, {}]
+    weight_map = {}
+    for i in range(6):
+        for p, shape in (("q", (256, 96)), ("k", (64, 96)), ("norm", (96,))):
+            name = f"model.layers.{i}.{p}.weight"
+            shards[i % 3][name] = rng.standard_normal(shape).astype(np.float32)
+            weight_map[name] = f"model-{i % 3 + 1:05d}-of-00003.safetensors"
+    everything = {}
+    for k, s in enumerate(shards):
+        save_file(s, str(d / f"model-{k + 1:05d}-of-00003.safetensors"))
+        everything.update(s)
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return d, everything
+
+
+def check(got, want):
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape and np.array_equal(got[k], want[k]), k
+
+
+def test_a_directory_its_index_and_one_file(sharded):
+    d, want = sharded
+    check(weightstream.load(d, framework="np"), want)
+    check(weightstream.load(d / "model.safetensors.index.json", framework="np"), want)
+    one = weightstream.load(d / "model-00002-of-00003.safetensors", framework="np")
+    assert sorted(one) == sorted(k for k in want if int(k.split(".")[2]) % 3 == 1)
+    check(one, {k: want[k] for k in one})
+
+
+def test_names_filter(sharded):
+    d, want = sharded
+    got = weightstream.load(d, framework="np", names=["layers.2.", "norm"])
+    assert sorted(got) == sorted(k for k in want if "layers.2." in k or "norm" in k)
+    with pytest.raises(ValueError, match="no_such_part"):
+        weightstream.load(d, framework="np", names=["no_such_part"])
+
+
+def test_split_and_mirror(sharded, tmp_path):
+    d, want = sharded
+    a, b, m = tmp_path / "a", tmp_path / "b", tmp_path / "m"
+    for x in (a, b, m):
+        x.mkdir()
+    shutil.copy(d / "model.safetensors.index.json", a)
+    shutil.copy(d / "model-00001-of-00003.safetensors", a)
+    for k in (2, 3):
+        shutil.copy(d / f"model-0000{k}-of-00003.safetensors", b)
+    for f in os.listdir(d):
+        if f.endswith(".safetensors"):
+            shutil.copy(d / f, m)
+    check(weightstream.load(a, framework="np", dirs=[b]), want)
+    check(weightstream.load(d, framework="np", mirrors=[m], route="stripe"), want)
+    with weightstream.safe_open(a, framework="np", dirs=[b], mirrors=None) as f:
+        assert f.keys() == sorted(want)
+        assert np.array_equal(f.get_tensor("model.layers.5.q.weight"), want["model.layers.5.q.weight"])
+    with pytest.raises(weightstream.SafetensorError):
+        weightstream.load(a, framework="np")  # the index names shards the folder lacks
+
+
+def test_placed_model(sharded, tmp_path):
+    d, want = sharded
+    ws = weightstream_bin()
+    if ws is None:
+        pytest.fail("the weightstream command is needed to place a model (WEIGHTSTREAM_BIN, or build the workspace)")
+    import tempfile
+
+    # Two volumes: /dev/shm (a tmpfs) and the source's own (allowed).
+    shm = tempfile.mkdtemp(dir="/dev/shm")
+    r1, r2 = os.path.join(shm, "r1"), tmp_path / "r2"
+    os.mkdir(r1)
+    r2.mkdir()
+    out = subprocess.run(
+        [ws, "place", str(d), "--to", f"{r1};{r2}", "--layout", "split", "--allow-source-volume", "--json"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    try:
+        primary = json.loads(out.stdout)["primary"]
+        check(weightstream.load(primary, framework="np"), want)
+        with weightstream.safe_open(primary, framework="np") as f:
+            assert f.keys() == sorted(want)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_tensors_keep_their_memory_after_the_load(sharded):
+    d, want = sharded
+    got = weightstream.load(d, framework="np")
+    one = got["model.layers.3.k.weight"]
+    del got
+    gc.collect()
+    assert np.array_equal(one, want["model.layers.3.k.weight"])
+
+
+def test_torch_load_and_bf16(sharded, tmp_path):
+    torch = torch_or_skip()
+    from safetensors.torch import load_file, save_file
+
+    d, want = sharded
+    got = weightstream.load(d)  # framework="pt" by default
+    for k, v in want.items():
+        assert torch.equal(got[k], torch.from_numpy(v)), k
+    p = str(tmp_path / "bf16.safetensors")
+    save_file({"w": torch.randn(300, 77).to(torch.bfloat16)}, p)
+    import weightstream.torch as wt
+
+    assert torch.equal(wt.load_file(p)["w"], load_file(p)["w"])
+
+
+def test_the_gil_is_released_while_a_load_runs(tmp_path):
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(0)
+    for k in range(4):
+        save_file({f"w{k}": rng.standard_normal((4096, 4096)).astype(np.float32)}, str(tmp_path / f"m{k}.safetensors"))
+    count = [0]
+    stop = threading.Event()
+
+    def counter():
+        while not stop.is_set():
+            count[0] += 1
+
+    t = threading.Thread(target=counter)
+    t.start()
+    try:
+        before = count[0]
+        got = weightstream.load(tmp_path, framework="np")  # 268 MB
+        during = count[0] - before
+    finally:
+        stop.set()
+        t.join()
+    assert len(got) == 4
+    # Python bytecode ran on the other thread while the load was inside Rust.
+    assert during > 0
+
+
+def test_ctrl_c_during_a_load_raises_keyboard_interrupt(tmp_path):
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(0)
+    for k in range(6):
+        save_file({f"w{k}": rng.standard_normal((4096, 4096)).astype(np.float32)}, str(tmp_path / f"m{k}.safetensors"))
+    code = f"""
+import os, signal, threading, weightstream
+started = threading.Event()
+def interrupt():
+    started.wait()
+    os.kill(os.getpid(), signal.SIGINT)
+threading.Thread(target=interrupt, daemon=True).start()
+try:
+    started.set()
+    for _ in range(50):
+        weightstream.load({str(tmp_path)!r}, framework="np")
+    print("no interrupt")
+except KeyboardInterrupt:
+    print("interrupted")
+"""
+    out = run_python(code, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "interrupted", (out.stdout, out.stderr)
+
+
+def test_stats_and_close(sharded):
+    d, _ = sharded
+    f = weightstream.safe_open(d, framework="np")
+    f.get_tensor("model.layers.0.q.weight")
+    s = f.stats()
+    assert s["bytes"] >= 256 * 96 * 4 and s["drives"] and "fallbacks" in s["drives"][0]
+    assert f.close() is True
+    with pytest.raises(ValueError, match="closed"):
+        f.get_tensor("model.layers.0.q.weight")
+
+
+def test_stream_yields_every_tensor_in_order_each_owned(sharded):
+    d, want = sharded
+    got = list(weightstream.stream(d, framework="np", window=3))
+    assert [n for n, _ in got] == sorted(want)
+    for n, a in got:
+        assert np.array_equal(a, want[n]), n
+    part = dict(weightstream.stream(d, framework="np", names="layers.4."))
+    assert sorted(part) == sorted(k for k in want if "layers.4." in k)
+
+
+def test_read_into_arrays_buffers_and_tensors(sharded):
+    d, want = sharded
+    name = "model.layers.1.q.weight"
+    w = want[name]
+    with weightstream.Engine(d, framework="np") as e:
+        out = np.empty_like(w)
+        assert e.read_into(name, out) is out and np.array_equal(out, w)
+        rows = np.empty((10, 96), np.float32)
+        e.read_into(name, rows, rows=(5, 15))
+        assert np.array_equal(rows, w[5:15])
+        buf = bytearray(100)
+        e.read_into(name, buf, start=4000, end=4100)
+        assert bytes(buf) == w.tobytes()[4000:4100]
+        mv = memoryview(bytearray(8))
+        e.read_into(name, mv, start=1, end=9)
+        assert mv.tobytes() == w.tobytes()[1:9]
+        for bad, what in [
+            (np.empty((256, 95), np.float32), "bytes"),
+            (np.empty((256, 96), np.float64), "float64"),
+            (np.empty((96, 256), np.float32).T, "contiguous"),
+            (b"x" * (256 * 96 * 4), "read-only"),
+            (object(), "object"),
+        ]:
+            with pytest.raises(ValueError, match=what):
+                e.read_into(name, bad)
+        ro = np.empty_like(w)
+        ro.flags.writeable = False
+        with pytest.raises(ValueError, match="read-only"):
+            e.read_into(name, ro)
+        assert e.stats()["bytes"] > 0
+
+
+def test_read_into_torch_tensors(sharded):
+    torch = torch_or_skip()
+    d, want = sharded
+    name = "model.layers.2.k.weight"
+    with weightstream.Engine(d) as e:
+        out = torch.empty(64, 96)
+        e.read_into(name, out)
+        assert torch.equal(out, torch.from_numpy(want[name]))
+        half = torch.empty(32, 96)
+        e.read_into(name, half, rows=(32, 64))
+        assert torch.equal(half, torch.from_numpy(want[name][32:]))
+        with pytest.raises(ValueError, match="bfloat16"):
+            e.read_into(name, torch.empty(64, 96, dtype=torch.bfloat16))
+        with pytest.raises(ValueError, match="contiguous"):
+            e.read_into(name, torch.empty(96, 64).t())
+        with pytest.raises(ValueError, match="grad"):
+            e.read_into(name, torch.empty(64, 96, requires_grad=True))

@@ -1,0 +1,97 @@
+"""Payloads (DLPack, one-dimensional uint8, owned) viewed as tensors and
+arrays of a safetensors dtype and shape, without a copy.
+
+The viewed tensor or array keeps the payload's memory alive through the
+DLPack capsule it was made from (its deleter releases the memory when the
+last view dies); the engine never reuses that memory meanwhile.
+"""
+
+# safetensors dtype -> numpy dtype name (None: numpy has no such type).
+NUMPY = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "U16": "uint16",
+    "I16": "int16",
+    "U32": "uint32",
+    "I32": "int32",
+    "U64": "uint64",
+    "I64": "int64",
+    "F16": "float16",
+    "F32": "float32",
+    "F64": "float64",
+}
+
+# safetensors dtype -> torch dtype attribute name.
+TORCH = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "U16": "uint16",
+    "I16": "int16",
+    "U32": "uint32",
+    "I32": "int32",
+    "U64": "uint64",
+    "I64": "int64",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F32": "float32",
+    "F64": "float64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E8M0": "float8_e8m0fnu",
+    "C64": "complex64",
+}
+
+
+def torch_dtype(dtype):
+    import torch
+
+    name = TORCH.get(dtype)
+    t = getattr(torch, name, None) if name else None
+    if t is None:
+        raise TypeError(f"dtype {dtype} has no torch type in this torch ({torch.__version__})")
+    return t
+
+
+def numpy_dtype(dtype):
+    import numpy as np
+
+    name = NUMPY.get(dtype)
+    if name is None:
+        raise TypeError(f"dtype {dtype} has no numpy type (use framework='pt')")
+    return np.dtype(name)
+
+
+def to_torch(payload, dtype, shape):
+    import torch
+
+    t_dtype = torch_dtype(dtype)
+    if payload.nbytes == 0:
+        return torch.empty(shape, dtype=t_dtype)
+    raw = torch.from_dlpack(payload)
+    size = torch.empty((), dtype=t_dtype).element_size()
+    if raw.data_ptr() % size:
+        # A file whose offsets are not aligned for this dtype: torch's
+        # kernels want aligned elements, so this one tensor is copied.
+        raw = raw.clone()
+    return raw.view(t_dtype).reshape(shape)
+
+
+def to_numpy(payload, dtype, shape):
+    import numpy as np
+
+    n_dtype = numpy_dtype(dtype)
+    if payload.nbytes == 0:
+        return np.empty(shape, dtype=n_dtype)
+    return np.from_dlpack(payload).view(n_dtype).reshape(shape)
+
+
+def convert(framework):
+    if framework in ("pt", "torch", "pytorch"):
+        return to_torch
+    if framework in ("np", "numpy"):
+        return to_numpy
+    raise ValueError(f"framework {framework!r}: weightstream reads into 'pt' (torch) or 'np' (numpy)")
