@@ -94,9 +94,28 @@ struct Reader {
     model: ws::Model,
     engine: Option<ws::Engine>,
     path: String,
+    /// Memory for `read`s: one packed arena for every tensor of the file or
+    /// model (registered once, faulted by the reads), made at the first
+    /// read. A payload keeps its slot, so its bytes are never reused while
+    /// Python holds it; a slot comes back only when its tensor is gone.
+    /// When the arena has no room (tensors kept and read again), a read
+    /// gets an arena of its own.
+    arena: std::sync::Mutex<Option<ws::Arena>>,
 }
 
 impl Reader {
+    /// The shared arena (a handle to it), made at the first read; None when
+    /// the kernel refused the memory (each read then gets its own).
+    fn shared_arena(&self, py: Python<'_>, engine: &ws::Engine) -> PyResult<Option<ws::Arena>> {
+        let mut g = self.arena.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if g.is_none() {
+            let all: Vec<&ws::TensorRef> = self.model.catalog().tensors().iter().collect();
+            let bytes = engine.placement_bytes(&all).map_err(to_py)?;
+            *g = py.detach(|| engine.packed_arena(bytes.max(4096), false)).ok();
+        }
+        Ok(g.clone())
+    }
+
     fn engine(&self) -> PyResult<&ws::Engine> {
         self.engine
             .as_ref()
@@ -108,9 +127,15 @@ impl Reader {
     }
 }
 
-/// Reads `part` into fresh memory of its own (a packed arena sized for it:
-/// the payload in place, O_DIRECT), with the GIL released.
-fn read_one(py: Python<'_>, engine: &ws::Engine, part: &ws::TensorRef) -> PyResult<Payload> {
+/// Reads `part` into memory nothing else holds: a slot of `shared` (the
+/// payload in place, O_DIRECT), or of an arena of its own when `shared`
+/// has no room; with the GIL released.
+fn read_one(
+    py: Python<'_>,
+    engine: &ws::Engine,
+    shared: Option<&ws::Arena>,
+    part: &ws::TensorRef,
+) -> PyResult<Payload> {
     if part.len == 0 {
         return Ok(Payload {
             bytes: Arc::new(Bytes::Empty),
@@ -118,8 +143,10 @@ fn read_one(py: Python<'_>, engine: &ws::Engine, part: &ws::TensorRef) -> PyResu
     }
     let loaded = py
         .detach(|| -> ws::Result<ws::Loaded> {
-            let arena = engine.packed_arena_for(&[part], 1, false)?;
-            let slot = arena.take_for(part)?;
+            let slot = match shared.map(|a| a.take_for(part)) {
+                Some(Ok(slot)) => slot,
+                _ => engine.packed_arena_for(&[part], 1, false)?.take_for(part)?,
+            };
             engine.read(part, slot)?.wait()
         })
         .map_err(to_py)?;
@@ -155,6 +182,7 @@ impl Reader {
             model,
             engine: Some(engine),
             path: path.to_string(),
+            arena: std::sync::Mutex::new(None),
         })
     }
 
@@ -185,8 +213,10 @@ impl Reader {
     fn read(&self, py: Python<'_>, name: &str, start: Option<u64>, end: Option<u64>) -> PyResult<Payload> {
         let t = self.tensor(name)?;
         let engine = self.engine()?;
+        let shared = self.shared_arena(py, engine)?;
+        let shared = shared.as_ref();
         match (start, end) {
-            (None, None) => read_one(py, engine, t),
+            (None, None) => read_one(py, engine, shared, t),
             (s, e) => {
                 let (s, e) = (s.unwrap_or(0), e.unwrap_or(t.len));
                 if s == e && s <= t.len {
@@ -197,7 +227,7 @@ impl Reader {
                 let part = t
                     .byte_range(s..e)
                     .map_err(|err| PyValueError::new_err(err.to_string()))?;
-                read_one(py, engine, &part)
+                read_one(py, engine, shared, &part)
             }
         }
     }
@@ -269,6 +299,12 @@ impl Reader {
     /// payloads already handed out stay valid). Returns whether it drained.
     #[pyo3(signature = (timeout=10.0))]
     fn close(&mut self, py: Python<'_>, timeout: f64) -> bool {
+        // Payloads already handed out keep their slots (and so the arena's
+        // memory) alive; only the handle is dropped here.
+        self.arena
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
         match self.engine.take() {
             Some(e) => py.detach(|| e.shutdown(Duration::from_secs_f64(timeout.clamp(0.0, 3600.0))).drained),
             None => true,

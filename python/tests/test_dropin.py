@@ -180,3 +180,25 @@ def test_torch_safe_open_and_slices(torch_model):
             if len(b.shape) == 2 and b.shape[0] > 2 and b.shape[1] > 2:
                 x, y = f.get_slice(k)[1:3, 1:2], g.get_slice(k)[1:3, 1:2]
                 assert x.shape == y.shape and torch.equal(x.view(torch.uint8), y.view(torch.uint8)), k
+
+
+def test_kept_tensors_never_share_memory(np_model):
+    path, t = np_model
+    with safe_open(path, framework="np") as f:
+        first = {k: f.get_tensor(k) for k in f.keys()}
+        # The file's arena is full of kept tensors now: these read into
+        # memory of their own, never into the first ones'.
+        second = {k: f.get_tensor(k) for k in f.keys()}
+    addr = lambda a: a.__array_interface__["data"][0]  # noqa: E731
+    for k in t:
+        # Bytes, not values: the random bits hold NaNs.
+        assert first[k].tobytes() == t[k].tobytes() and second[k].tobytes() == t[k].tobytes(), k
+        if t[k].nbytes:
+            assert addr(first[k]) != addr(second[k]), k
+    first["big"][:] = 0
+    assert np.array_equal(second["big"], t["big"])
+    # A tensor dropped gives its slot back; a new read may land there, and
+    # the live ones are untouched.
+    del first
+    again = safe_open(path, framework="np").get_tensor("big")
+    assert np.array_equal(again, t["big"]) and np.array_equal(second["big"], t["big"])
