@@ -89,11 +89,14 @@ fn layout(
 }
 
 /// A file or a model, open, with an engine: what `safe_open` wraps.
+///
+/// Fields drop in order: the read-ahead's tickets first, then the arena
+/// handle, then the engine.
 #[pyclass(module = "weightstream._native")]
 struct Reader {
-    model: ws::Model,
-    engine: Option<ws::Engine>,
-    path: String,
+    /// Read-ahead of whole tensors in file order (what a loop of
+    /// `get_tensor` over the keys asks for next), into the shared arena.
+    ahead: std::sync::Mutex<Ahead>,
     /// Memory for `read`s: one packed arena for every tensor of the file or
     /// model (registered once, faulted by the reads), made at the first
     /// read. A payload keeps its slot, so its bytes are never reused while
@@ -101,9 +104,95 @@ struct Reader {
     /// When the arena has no room (tensors kept and read again), a read
     /// gets an arena of its own.
     arena: std::sync::Mutex<Option<ws::Arena>>,
+    engine: Option<ws::Engine>,
+    model: ws::Model,
+    path: String,
 }
 
+/// Tensors read ahead of `get_tensor`: after a whole-tensor read, the next
+/// tensors in (shard, offset) order are started, up to [`AHEAD_BYTES`] and
+/// [`AHEAD_READS`] in flight or landed and not yet asked for, each in a
+/// slot of the shared arena (none when it has no room). A tensor asked for
+/// takes its read over; reads never asked for are dropped with the reader
+/// (they finish into the arena; their slots come back then).
+#[derive(Default)]
+struct Ahead {
+    /// Tensor indexes in (shard, offset) order, and each one's position.
+    order: Vec<usize>,
+    position: std::collections::HashMap<usize, usize>,
+    pending: std::collections::HashMap<usize, ws::Ticket>,
+    bytes: u64,
+}
+
+/// Read-ahead bounds: bytes and reads started and not yet asked for.
+const AHEAD_BYTES: u64 = 64 << 20;
+const AHEAD_READS: usize = 32;
+
 impl Reader {
+    /// A whole tensor: its read-ahead read if one was started, else a read
+    /// now; then the read-ahead is topped up past it; then the wait.
+    fn read_whole(
+        &self,
+        py: Python<'_>,
+        engine: &ws::Engine,
+        shared: Option<&ws::Arena>,
+        t: &ws::TensorRef,
+    ) -> PyResult<Payload> {
+        let Some(shared) = shared else {
+            return read_one(py, engine, None, t);
+        };
+        if t.len == 0 {
+            return read_one(py, engine, None, t);
+        }
+        let all = self.model.catalog().tensors();
+        let ticket = py
+            .detach(|| -> ws::Result<ws::Ticket> {
+                let mut a = self.ahead.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                if a.order.is_empty() {
+                    let mut order: Vec<usize> = (0..all.len()).collect();
+                    order.sort_by_key(|&i| (all[i].shard, all[i].offset));
+                    a.position = order.iter().enumerate().map(|(p, &i)| (i, p)).collect();
+                    a.order = order;
+                }
+                let ticket = match a.pending.remove(&t.index) {
+                    Some(tk) => {
+                        a.bytes -= t.len;
+                        tk
+                    }
+                    None => {
+                        let slot = match shared.take_for(t) {
+                            Ok(slot) => slot,
+                            Err(_) => engine.packed_arena_for(&[t], 1, false)?.take_for(t)?,
+                        };
+                        engine.read(t, slot)?
+                    }
+                };
+                let from = a.position.get(&t.index).map_or(a.order.len(), |p| p + 1);
+                for k in from..a.order.len() {
+                    if a.bytes >= AHEAD_BYTES || a.pending.len() >= AHEAD_READS {
+                        break;
+                    }
+                    let i = a.order[k];
+                    let next = &all[i];
+                    if next.len == 0 || a.pending.contains_key(&i) {
+                        continue;
+                    }
+                    // No room in the arena: no read-ahead (never an arena of
+                    // its own for a read nobody asked for yet).
+                    let Ok(slot) = shared.take_for(next) else { break };
+                    let tk = engine.read(next, slot)?;
+                    a.pending.insert(i, tk);
+                    a.bytes += next.len;
+                }
+                Ok(ticket)
+            })
+            .map_err(to_py)?;
+        let loaded = py.detach(|| ticket.wait()).map_err(to_py)?;
+        Ok(Payload {
+            bytes: Arc::new(Bytes::Loaded(loaded)),
+        })
+    }
+
     /// The shared arena (a handle to it), made at the first read; None when
     /// the kernel refused the memory (each read then gets its own).
     fn shared_arena(&self, py: Python<'_>, engine: &ws::Engine) -> PyResult<Option<ws::Arena>> {
@@ -183,6 +272,7 @@ impl Reader {
             engine: Some(engine),
             path: path.to_string(),
             arena: std::sync::Mutex::new(None),
+            ahead: std::sync::Mutex::new(Ahead::default()),
         })
     }
 
@@ -216,7 +306,7 @@ impl Reader {
         let shared = self.shared_arena(py, engine)?;
         let shared = shared.as_ref();
         match (start, end) {
-            (None, None) => read_one(py, engine, shared, t),
+            (None, None) => self.read_whole(py, engine, shared, t),
             (s, e) => {
                 let (s, e) = (s.unwrap_or(0), e.unwrap_or(t.len));
                 if s == e && s <= t.len {
@@ -300,11 +390,13 @@ impl Reader {
     #[pyo3(signature = (timeout=10.0))]
     fn close(&mut self, py: Python<'_>, timeout: f64) -> bool {
         // Payloads already handed out keep their slots (and so the arena's
-        // memory) alive; only the handle is dropped here.
+        // memory) alive; only the handle is dropped here. Read-ahead reads
+        // nobody asked for are dropped: they finish into the arena.
         self.arena
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .take();
+        *self.ahead.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Ahead::default();
         match self.engine.take() {
             Some(e) => py.detach(|| e.shutdown(Duration::from_secs_f64(timeout.clamp(0.0, 3600.0))).drained),
             None => true,

@@ -202,3 +202,21 @@ def test_kept_tensors_never_share_memory(np_model):
     del first
     again = safe_open(path, framework="np").get_tensor("big")
     assert np.array_equal(again, t["big"]) and np.array_equal(second["big"], t["big"])
+
+
+def test_read_ahead_in_any_order_and_closed_with_reads_pending(np_model):
+    import random
+
+    path, t = np_model
+    keys = sorted(t)
+    for order in (keys, keys[::-1], random.Random(5).sample(keys, len(keys))):
+        with safe_open(path, framework="np") as f:
+            got = {k: f.get_tensor(k) for k in order}
+        for k in keys:
+            assert got[k].tobytes() == t[k].tobytes(), (order[:3], k)
+    # One tensor asked for, the rest read ahead and never asked for: closing
+    # drops those reads; the one kept is whole.
+    f = safe_open(path, framework="np")
+    first = f.get_tensor(keys[0])
+    assert f.close() is True
+    assert first.tobytes() == t[keys[0]].tobytes()
