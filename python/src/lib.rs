@@ -489,11 +489,13 @@ fn load(
 /// Tensors read one after another, each into memory of its own (never
 /// reused: a tensor Python keeps holds nothing back), `window` in flight,
 /// handed out in order as each lands.
+///
+/// Fields drop in order: reads not handed out yet first, then the engine.
 #[pyclass(module = "weightstream._native")]
 struct Stream {
+    pending: std::collections::VecDeque<(ws::TensorRef, Option<ws::Ticket>)>,
     engine: ws::Engine,
     todo: std::collections::VecDeque<ws::TensorRef>,
-    pending: std::collections::VecDeque<(ws::TensorRef, Option<ws::Ticket>)>,
     window: usize,
     _model: ws::Model,
 }
@@ -551,9 +553,9 @@ impl Stream {
             .cloned()
             .collect();
         Ok(Stream {
+            pending: Default::default(),
             engine,
             todo,
-            pending: Default::default(),
             window: window.clamp(1, 1024),
             _model: model,
         })

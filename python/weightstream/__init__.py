@@ -204,7 +204,9 @@ class Engine(safe_open):
         (``bytearray``, ``memoryview``). ``out`` must be C-contiguous,
         writable, of the tensor's dtype (any dtype for a buffer) and exactly
         the bytes read. Returns ``out``. A bad ``out`` raises ``ValueError``
-        naming what is wrong; nothing is read then."""
+        naming what is wrong; nothing is read then. ``out`` must not be
+        resized or freed by another thread while the call runs (the read
+        writes into its memory with the GIL released)."""
         dtype, shape, nbytes, _ = self._reader.info(name)
         if rows is not None:
             if start is not None or end is not None:
