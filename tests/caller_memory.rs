@@ -158,12 +158,22 @@ fn read_into_writes_exactly_the_payload_where_asked() {
         let arena = unsafe { e.register_memory(mem.ptr, mem.layout.size()) }.unwrap();
         assert!(arena.is_borrowed());
         let before = e.stats();
+        // Asked before the reads: the same answer the tickets give after.
+        let would: Vec<bool> = tensors
+            .iter()
+            .zip(&places)
+            .map(|(t, &p)| e.would_stage(t, &arena, p, Scratch::None))
+            .collect();
         let tickets: Vec<_> = tensors
             .iter()
             .zip(&places)
             .map(|(t, &p)| e.read_into(t, &arena, p, Scratch::None).unwrap())
             .collect();
         let staged_tickets = tickets.iter().filter(|k| k.is_staged()).count() as u64;
+        let said: Vec<bool> = tickets.iter().map(|k| k.is_staged()).collect();
+        if common::fs_reads_o_direct(&tmp.path().join("m")) {
+            assert_eq!(would, said, "{backend:?}: would_stage before = is_staged after");
+        }
         for k in tickets {
             drop(k.wait().unwrap());
         }

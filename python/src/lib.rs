@@ -461,6 +461,9 @@ fn load(
         });
         match got {
             Ok(r) => {
+                // A Ctrl-C that came while the load ran wins over its
+                // result (dropped: nothing of it was handed to Python).
+                py.check_signals()?;
                 let (meta, loaded, report) = r.map_err(to_py)?;
                 let out = meta
                     .into_iter()

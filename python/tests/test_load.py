@@ -165,24 +165,36 @@ def test_ctrl_c_during_a_load_raises_keyboard_interrupt(tmp_path):
     rng = np.random.default_rng(0)
     for k in range(6):
         save_file({f"w{k}": rng.standard_normal((4096, 4096)).astype(np.float32)}, str(tmp_path / f"m{k}.safetensors"))
+    # The signal comes while the load's own thread ("ws-py-load") is running:
+    # a load that ignored signals would finish first (one load completed),
+    # this one raises at once (none completed).
     code = f"""
-import os, signal, threading, weightstream
-started = threading.Event()
+import os, signal, threading, time, weightstream
+def loading():
+    for t in os.listdir("/proc/self/task"):
+        try:
+            if open(f"/proc/self/task/{{t}}/comm").read().strip() == "ws-py-load":
+                return True
+        except OSError:
+            pass
+    return False
 def interrupt():
-    started.wait()
+    while not loading():
+        time.sleep(0.0005)
     os.kill(os.getpid(), signal.SIGINT)
 threading.Thread(target=interrupt, daemon=True).start()
+done = 0
 try:
-    started.set()
     for _ in range(50):
         weightstream.load({str(tmp_path)!r}, framework="np")
+        done += 1
     print("no interrupt")
 except KeyboardInterrupt:
-    print("interrupted")
+    print("interrupted after", done)
 """
     out = run_python(code, timeout=600)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "interrupted", (out.stdout, out.stderr)
+    assert out.stdout.strip() == "interrupted after 0", (out.stdout, out.stderr)
 
 
 def test_stats_and_close(sharded):

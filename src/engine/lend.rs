@@ -67,6 +67,58 @@ pub enum Scratch {
     Blocks,
 }
 
+/// Where an in-place read of a payload lands in memory: its window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct InPlace {
+    /// The window's first byte (an offset into the memory, on a block).
+    start: usize,
+    bytes: usize,
+    /// The window takes the rest of its last block too.
+    tail_room: bool,
+}
+
+/// The in-place window of a read of `len` payload bytes with phase `pad`
+/// (`file offset % align`) at byte `at` of `bytes` bytes of memory at
+/// address `base`, or None where it cannot land in place: out of phase
+/// (`(base + at) % align != pad`), no room before the payload for the rest
+/// of its first block, or a scratch that does not allow it there. The one
+/// rule behind [`Engine::read_into`] and [`Engine::would_stage`].
+fn in_place_window(
+    scratch: Scratch,
+    base: usize,
+    bytes: usize,
+    at: usize,
+    pad: usize,
+    len: usize,
+    align: usize,
+) -> Option<InPlace> {
+    if len == 0 || at < pad || base.wrapping_add(at) % align != pad {
+        return None;
+    }
+    // In phase: the window's first block starts `pad` bytes before the
+    // payload, on an aligned address inside the memory.
+    let start = at - pad;
+    let blocks = window_bytes(pad, len as u64, align).filter(|w| start.checked_add(*w).is_some_and(|e| e <= bytes));
+    match (scratch, blocks) {
+        (Scratch::Blocks, Some(w)) => Some(InPlace {
+            start,
+            bytes: w,
+            tail_room: true,
+        }),
+        (Scratch::Blocks | Scratch::Before, _) if pad + len >= align => Some(InPlace {
+            start,
+            bytes: pad + len,
+            tail_room: false,
+        }),
+        (Scratch::None, _) if pad == 0 && len >= align => Some(InPlace {
+            start: at,
+            bytes: len,
+            tail_room: false,
+        }),
+        _ => None,
+    }
+}
+
 impl Engine {
     /// Lends `len` bytes of the caller's memory at `ptr` to the engine, as
     /// an [`Arena`] registered with every ring (the same RLIMIT_MEMLOCK
@@ -194,22 +246,10 @@ impl Engine {
         let spec = SlotSpec::new(len).with_align(align);
         let pad = (tensor.offset % align as u64) as usize;
         let direct = self.can_read_direct(tensor);
-        let addr = (memory.region().0 as usize).wrapping_add(at);
-        if direct && len > 0 && at >= pad && addr % align == pad {
-            // In phase: the window's first block starts `pad` bytes before
-            // the payload, on an aligned address inside the memory.
-            let start = at - pad;
-            let blocks = window_bytes(pad, tensor.len, align)
-                .filter(|w| start.checked_add(*w).is_some_and(|e| e <= memory.bytes()));
-            let in_place = match (scratch, blocks) {
-                (Scratch::Blocks, Some(w)) => memory.take_at(start, w, spec.with_tail_room(true), false),
-                (Scratch::Blocks | Scratch::Before, _) if pad + len >= align => {
-                    memory.take_at(start, pad + len, spec, false)
-                }
-                (Scratch::None, _) if pad == 0 && len >= align => memory.take_at(at, len, spec, false),
-                _ => None,
-            };
-            if let Some(slot) = in_place {
+        let window = in_place_window(scratch, memory.region().0 as usize, memory.bytes(), at, pad, len, align);
+        if let (true, Some(w)) = (direct, window) {
+            let spec = if w.tail_room { spec.with_tail_room(true) } else { spec };
+            if let Some(slot) = memory.take_at(w.start, w.bytes, spec, false) {
                 return self.read(tensor, slot);
             }
         }
@@ -263,6 +303,24 @@ impl Engine {
     }
 
     /// Whether some copy of `tensor`'s shard can be read O_DIRECT.
+    /// Whether [`Engine::read_into`] of `tensor` at byte `at` of `memory`
+    /// with `scratch` would go through staging (and one copy) rather than
+    /// land in place: out of phase, no room before the payload for its
+    /// block, or a scratch that does not allow it there. The answer leaves
+    /// slots in use aside (a read into bytes another read holds is staged
+    /// too, or refused: [`Ticket::is_staged`] says after the fact). A read
+    /// that cannot be O_DIRECT at all is buffered into place, not staged.
+    pub fn would_stage(&self, tensor: &TensorRef, memory: &Arena, at: usize, scratch: Scratch) -> bool {
+        let align = self.direct_align();
+        let Ok(len) = usize::try_from(tensor.len) else {
+            return true;
+        };
+        let pad = (tensor.offset % align as u64) as usize;
+        self.can_read_direct(tensor)
+            && len > 0
+            && in_place_window(scratch, memory.region().0 as usize, memory.bytes(), at, pad, len, align).is_none()
+    }
+
     fn can_read_direct(&self, tensor: &TensorRef) -> bool {
         self.model.direct_mode() != DirectMode::Off
             && self
@@ -613,5 +671,65 @@ impl std::ops::Deref for LentLoaded<'_> {
 impl std::fmt::Debug for LentLoaded<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         self.loaded.fmt(f)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lands(scratch: Scratch, base: usize, bytes: usize, at: usize, pad: usize, len: usize) -> bool {
+        in_place_window(scratch, base, bytes, at, pad, len, 4096).is_some()
+    }
+
+    #[test]
+    fn the_in_place_window_follows_phase_room_and_scratch() {
+        // Phase 100: in place at base + at = 100 mod 4096, with room before.
+        assert_eq!(
+            in_place_window(Scratch::Before, 0, 1 << 20, 100, 100, 5000, 4096),
+            Some(InPlace {
+                start: 0,
+                bytes: 5100,
+                tail_room: false
+            })
+        );
+        assert!(!lands(Scratch::Before, 0, 1 << 20, 101, 100, 5000), "out of phase");
+        assert!(
+            !lands(Scratch::Before, 0, 1 << 20, 100, 100, 10),
+            "inside its first block only"
+        );
+        // Blocks: the whole blocks when they fit the memory, a short payload too.
+        assert_eq!(
+            in_place_window(Scratch::Blocks, 0, 1 << 20, 0, 0, 100, 4096),
+            Some(InPlace {
+                start: 0,
+                bytes: 4096,
+                tail_room: true
+            })
+        );
+        assert!(
+            !lands(Scratch::Blocks, 0, 50, 0, 0, 40),
+            "its block does not fit the memory"
+        );
+        assert!(
+            lands(Scratch::Blocks, 0, 4196, 100, 100, 4096),
+            "falls back to the payload's own end"
+        );
+        // None: only on a block boundary, at least a block.
+        assert!(lands(Scratch::None, 0, 1 << 20, 4096, 0, 4096));
+        assert!(!lands(Scratch::None, 0, 1 << 20, 4096, 0, 100));
+        assert!(!lands(Scratch::None, 0, 1 << 20, 100, 100, 5000));
+        // Nothing to read: no window.
+        assert!(!lands(Scratch::Blocks, 0, 1 << 20, 0, 0, 0));
+        // The memory's own base shifts the phase.
+        assert!(
+            !lands(Scratch::Before, 100, 1 << 20, 0, 100, 5000),
+            "in phase, but no room before"
+        );
+        assert!(lands(Scratch::Before, 100, 1 << 20, 4096, 100, 5000));
+        assert!(
+            !lands(Scratch::Before, 100, 1 << 20, 100, 100, 5000),
+            "base + at is 200 mod 4096"
+        );
     }
 }

@@ -171,25 +171,6 @@ fn scratch_of(v: u32) -> Res<Scratch> {
     }
 }
 
-/// Whether `Engine::read_into` reads a payload of `len` bytes with phase
-/// `pad` at offset `at` of memory `[base, base + mem_len)` in place (when no
-/// slot in use overlaps its window): its rule, in phase and per scratch.
-fn in_place(scratch: Scratch, at: usize, base: usize, mem_len: usize, pad: usize, len: usize, align: usize) -> bool {
-    if len == 0 {
-        return true; // nothing to read: nothing staged
-    }
-    if at < pad || base.wrapping_add(at) % align != pad {
-        return false;
-    }
-    let start = at - pad;
-    let window = (pad + len).div_ceil(align).saturating_mul(align);
-    match scratch {
-        Scratch::Blocks => start.checked_add(window).is_some_and(|e| e <= mem_len) || pad + len >= align,
-        Scratch::Before => pad + len >= align,
-        Scratch::None => pad == 0 && len >= align,
-    }
-}
-
 /// A range of memory that a read in flight or a held ticket covers is
 /// `WS_ERR_BUSY`, not a generic refusal.
 fn busy_if_overlap(err: ws::Error) -> Fail {
@@ -225,7 +206,8 @@ fn submit(e: &EngineObj, m: &Arc<MemoryObj>, r: &ws_read) -> Res<ws_ticket> {
     let must = r.flags & WS_READ_IN_PLACE != 0;
     let align = e.engine.direct_align();
     let pad = (t.offset % align as u64) as usize;
-    if must && !in_place(scratch, r.at, m.base, m.len, pad, len, align) {
+    let entry = m.enter()?;
+    if must && e.engine.would_stage(&t, &entry.arena, r.at, scratch) {
         return Err(Fail::new(
             ws_status::WS_ERR_MISALIGNED,
             format!(
@@ -241,7 +223,6 @@ fn submit(e: &EngineObj, m: &Arc<MemoryObj>, r: &ws_read) -> Res<ws_ticket> {
             ),
         ));
     }
-    let entry = m.enter()?;
     let ticket = e
         .engine
         .read_into(&t, &entry.arena, r.at, scratch)
@@ -656,46 +637,4 @@ pub extern "C" fn ws_ticket_free(ticket: ws_ticket) -> ws_status {
         let _ = TICKETS.remove(ticket.id);
         Ok(ws_status::WS_OK)
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn in_place_follows_the_engines_rule() {
-        let a = 4096;
-        // Phase 100: in place at base + at = 100 mod 4096, with room before.
-        assert!(in_place(Scratch::Before, 100, 0, 1 << 20, 100, 5000, a));
-        assert!(
-            !in_place(Scratch::Before, 101, 0, 1 << 20, 100, 5000, a),
-            "out of phase"
-        );
-        assert!(
-            !in_place(Scratch::Before, 100, 0, 1 << 20, 100, 10, a),
-            "inside its first block only"
-        );
-        // Blocks: a short payload whose whole block fits the memory.
-        assert!(in_place(Scratch::Blocks, 0, 0, 1 << 20, 0, 100, a));
-        assert!(
-            !in_place(Scratch::Blocks, 0, 0, 50, 0, 40, a),
-            "its block does not fit the memory"
-        );
-        // None: only on a block boundary, at least a block.
-        assert!(in_place(Scratch::None, 4096, 0, 1 << 20, 0, 4096, a));
-        assert!(!in_place(Scratch::None, 4096, 0, 1 << 20, 0, 100, a));
-        assert!(!in_place(Scratch::None, 100, 0, 1 << 20, 100, 5000, a));
-        // An empty payload reads nothing.
-        assert!(in_place(Scratch::None, 7, 0, 1 << 20, 3, 0, a));
-        // The memory's own base shifts the phase.
-        assert!(
-            !in_place(Scratch::Before, 0, 100, 1 << 20, 100, 5000, a),
-            "in phase, but no room before"
-        );
-        assert!(in_place(Scratch::Before, 4096, 100, 1 << 20, 100, 5000, a));
-        assert!(
-            !in_place(Scratch::Before, 100, 100, 1 << 20, 100, 5000, a),
-            "base + at is 200 mod 4096"
-        );
-    }
 }
