@@ -88,6 +88,17 @@ fn layout(
     Ok(c)
 }
 
+/// Opens the model and its engine (the `WEIGHTSTREAM_*` settings), with
+/// the GIL released.
+fn open(py: Python<'_>, config: ws::ModelConfig) -> PyResult<(ws::Model, ws::Engine)> {
+    py.detach(|| -> ws::Result<_> {
+        let model = ws::Model::open(config)?;
+        let engine = ws::Engine::new(&model, ws::EngineConfig::from_env()?)?;
+        Ok((model, engine))
+    })
+    .map_err(to_py)
+}
+
 /// A file or a model, open, with an engine: what `safe_open` wraps.
 ///
 /// Fields drop in order: the read-ahead's tickets first, then the arena
@@ -103,7 +114,9 @@ struct Reader {
     /// Python holds it; a slot comes back only when its tensor is gone.
     /// When the arena has no room (tensors kept and read again), a read
     /// gets an arena of its own.
-    arena: std::sync::Mutex<Option<ws::Arena>>,
+    /// `Some(None)`: the kernel refused it (said once); each read then has
+    /// memory of its own.
+    arena: std::sync::Mutex<Option<Option<ws::Arena>>>,
     engine: Option<ws::Engine>,
     model: ws::Model,
     path: String,
@@ -200,9 +213,26 @@ impl Reader {
         if g.is_none() {
             let all: Vec<&ws::TensorRef> = self.model.catalog().tensors().iter().collect();
             let bytes = engine.placement_bytes(&all).map_err(to_py)?;
-            *g = py.detach(|| engine.packed_arena(bytes.max(4096), false)).ok();
+            match py.detach(|| engine.packed_arena(bytes.max(4096), false)) {
+                Ok(a) => *g = Some(Some(a)),
+                // Not silent: each read then gets memory of its own (slower,
+                // never wrong); said once, for this file.
+                Err(e) => {
+                    let msg = format!(
+                        "{}: no shared memory for reads ({e}); each tensor is read into memory of its own",
+                        self.path
+                    );
+                    pyo3::PyErr::warn(
+                        py,
+                        &py.get_type::<pyo3::exceptions::PyResourceWarning>(),
+                        &std::ffi::CString::new(msg).unwrap_or_default(),
+                        1,
+                    )?;
+                    *g = Some(None);
+                }
+            }
         }
-        Ok(g.clone())
+        Ok(g.clone().flatten())
     }
 
     fn engine(&self) -> PyResult<&ws::Engine> {
@@ -260,13 +290,7 @@ impl Reader {
         direct: Option<&str>,
     ) -> PyResult<Self> {
         let config = layout(path, dirs, mirrors, route, direct)?;
-        let (model, engine) = py
-            .detach(|| -> ws::Result<_> {
-                let model = ws::Model::open(config)?;
-                let engine = ws::Engine::new(&model, ws::EngineConfig::from_env()?)?;
-                Ok((model, engine))
-            })
-            .map_err(to_py)?;
+        let (model, engine) = open(py, config)?;
         Ok(Reader {
             model,
             engine: Some(engine),
@@ -536,13 +560,7 @@ impl Stream {
         window: usize,
     ) -> PyResult<Self> {
         let config = layout(path, dirs, mirrors, route, direct)?;
-        let (model, engine) = py
-            .detach(|| -> ws::Result<_> {
-                let model = ws::Model::open(config)?;
-                let engine = ws::Engine::new(&model, ws::EngineConfig::from_env()?)?;
-                Ok((model, engine))
-            })
-            .map_err(to_py)?;
+        let (model, engine) = open(py, config)?;
         let all = model.catalog().tensors();
         let names = names.unwrap_or_default();
         for n in &names {

@@ -52,16 +52,21 @@ def weightstream_bin():
     return shutil.which("weightstream")
 
 
-def torch_or_skip():
-    """torch, or a skip (a failure under WEIGHTSTREAM_REQUIRE_TORCH=1, as CI sets)."""
-    try:
-        import torch  # noqa: F401
+def require(module):
+    """`module`, or a skip (a failure under WEIGHTSTREAM_REQUIRE_TORCH=1, as
+    CI sets: torch and transformers are required there)."""
+    import importlib
 
-        return torch
+    try:
+        return importlib.import_module(module)
     except ImportError:
         if os.environ.get("WEIGHTSTREAM_REQUIRE_TORCH") == "1":
-            pytest.fail("torch is required here (WEIGHTSTREAM_REQUIRE_TORCH=1)")
-        pytest.skip("torch is not installed")
+            pytest.fail(f"{module} is required here (WEIGHTSTREAM_REQUIRE_TORCH=1)")
+        pytest.skip(f"{module} is not installed")
+
+
+def torch_or_skip():
+    return require("torch")
 
 
 def run_python(code, timeout=300):

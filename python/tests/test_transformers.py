@@ -4,18 +4,11 @@ state dicts as from its own loading, to the last bit."""
 import os
 
 import pytest
-from conftest import torch_or_skip
+from conftest import require, torch_or_skip
 
 
 def transformers_or_skip():
-    try:
-        import transformers
-
-        return transformers
-    except ImportError:
-        if os.environ.get("WEIGHTSTREAM_REQUIRE_TORCH") == "1":
-            pytest.fail("transformers is required here (WEIGHTSTREAM_REQUIRE_TORCH=1)")
-        pytest.skip("transformers is not installed")
+    return require("transformers")
 
 
 @pytest.fixture(scope="module")

@@ -138,26 +138,37 @@ def _paths(v):
     return [str(p) for p in v]
 
 
+def _model_path(path):
+    """A model directory, an index json (its directory), or one file."""
+    import os
+
+    path = os.fspath(path)
+    if os.path.basename(path).endswith(".index.json"):
+        return os.path.dirname(path) or "."
+    return path
+
+
+def _names(names):
+    """A name filter: one string or several; None for every tensor."""
+    if isinstance(names, str):
+        return [names]
+    return list(names) if names else None
+
+
 def load(path, framework="pt", *, dirs=None, mirrors=None, route=None, direct=None, names=None):
     """Every tensor of a model (a directory, its ``model.safetensors.index.json``,
     or one ``.safetensors`` file) as ``{name: tensor}``, read O_DIRECT by
     every drive at once into one mapping that the tensors keep alive.
     ``names``: only tensors whose name contains one of these strings.
     Ctrl-C raises ``KeyboardInterrupt`` within 50 ms."""
-    import os
-
-    path = os.fspath(path)
-    if os.path.basename(path).endswith(".index.json"):
-        path = os.path.dirname(path) or "."
-    if isinstance(names, str):
-        names = [names]
+    path, names = _model_path(path), _names(names)
     tensors, _report = _native.load(
         path,
         dirs=_paths(dirs),
         mirrors=_paths(mirrors),
         route=route,
         direct=direct,
-        names=list(names) if names else None,
+        names=names,
     )
     conv = _convert(framework)
     return {name: conv(payload, dtype, shape) for name, dtype, shape, payload in tensors}
@@ -167,20 +178,14 @@ def stream(path, framework="pt", *, dirs=None, mirrors=None, route=None, direct=
     """Yields ``(name, tensor)`` in name order as each tensor lands, ``window``
     reads in flight. Each tensor is read into memory of its own: a tensor you
     keep holds nothing back, and no later read reuses its memory."""
-    import os
-
-    path = os.fspath(path)
-    if os.path.basename(path).endswith(".index.json"):
-        path = os.path.dirname(path) or "."
-    if isinstance(names, str):
-        names = [names]
+    path, names = _model_path(path), _names(names)
     s = _native.Stream(
         path,
         dirs=_paths(dirs),
         mirrors=_paths(mirrors),
         route=route,
         direct=direct,
-        names=list(names) if names else None,
+        names=names,
         window=window,
     )
     conv = _convert(framework)
