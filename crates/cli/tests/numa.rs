@@ -45,6 +45,7 @@ fn read_all(engine: &Engine, arena: &Arena, seed: u64) -> (Vec<u64>, u64) {
 }
 
 /// [`read_all`] for one tensor.
+#[cfg(feature = "numa")]
 fn read_one(engine: &Engine, arena: &Arena, t: &weightstream::TensorRef, seed: u64) -> (Vec<u64>, u64) {
     read_these(engine, arena, std::slice::from_ref(t), seed)
 }
