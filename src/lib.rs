@@ -157,13 +157,16 @@ mod stats;
 mod storage;
 
 pub use config::{env, BackendChoice, DirectMode, EngineConfig, IoPoll, ModelConfig, RoutePolicy, SubmitMode, Weights};
-pub use engine::{DrivePlacement, Engine, Lent, LentLoaded, LentTicket, Loaded, Scratch, ShutdownReport, Ticket};
+pub use engine::{
+    DrivePlacement, Engine, Lent, LentLoaded, LentTicket, Loaded, Scratch, ShutdownReport, SliceTicket, Ticket,
+};
 pub use error::{Error, ExpertsError, HeaderError, Result, SUGGESTIONS};
 pub use format::catalog::{Catalog, ShardInfo, TensorRef};
 pub use format::container::{ShardHeader, TensorEntry};
 pub use format::dtype::Dtype;
 pub use format::element::Element;
 pub use format::experts::{Expert, ExpertLayer, Experts, Projection, MAX_FUSED_EXPERTS};
+pub use format::slice::{Piece, Run, SlicePlan, TensorSlice, MAX_SLICE_RUNS, SLICE_GAP_BYTES};
 pub use load::{
     load, load_with, LoadOptions, LoadProgress, LoadReport, LoadedModel, Order, TensorStream, TensorView,
     DEFAULT_LOAD_WINDOW, MAX_LOAD_ALIGN,
@@ -171,7 +174,9 @@ pub use load::{
 pub use memory::{Arena, Slot, SlotSpec, TakeError};
 pub use model::{CopyReport, FileVerdict, Model, VerifyReport};
 pub use plan::placement::Placement;
-pub use stats::{DriveStats, FallbackCause, Feature, StagedStats, Stats, Warning, WarningKind, WarningLocation};
+pub use stats::{
+    DriveStats, FallbackCause, Feature, SliceStats, StagedStats, Stats, Warning, WarningKind, WarningLocation,
+};
 pub use storage::files::{Change, FileIdentity};
 #[cfg(feature = "numa")]
 pub use storage::numa::Hwloc;

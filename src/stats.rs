@@ -251,6 +251,30 @@ pub struct StagedStats {
     pub staging_bytes: u64,
 }
 
+/// Slice reads (`Engine::read_slice`): what was wanted against what the
+/// drives moved for it.
+#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq, Eq)]
+pub struct SliceStats {
+    /// Slices read.
+    pub reads: u64,
+    /// Pieces they were read as (per-run reads, or runs merged across
+    /// short gaps).
+    pub pieces: u64,
+    /// Runs (one per row of a column slice) they held.
+    pub runs: u64,
+    /// The slices' bytes.
+    pub bytes_wanted: u64,
+    /// Bytes of whole blocks the pieces span: what the drives move.
+    pub bytes_read: u64,
+}
+
+impl SliceStats {
+    /// Bytes read per byte wanted (`None` before any slice).
+    pub fn read_amplification(&self) -> Option<f64> {
+        (self.bytes_wanted > 0).then(|| self.bytes_read as f64 / self.bytes_wanted as f64)
+    }
+}
+
 impl StagedStats {
     /// CPU seconds the copies cost per GB (10^9 bytes) copied.
     pub fn copy_cpu_s_per_gb(&self) -> Option<f64> {
@@ -286,6 +310,8 @@ pub struct Stats {
     pub drives: Vec<DriveStats>,
     /// Reads into caller memory staged and copied (engines only).
     pub staged: StagedStats,
+    /// Slice reads: bytes wanted against bytes read (engines only).
+    pub slices: SliceStats,
     /// Arena mappings of this process whose `madvise(MADV_HUGEPAGE)` was
     /// refused (4 KiB pages; see [`Arena::huge_page_bytes`](crate::Arena::huge_page_bytes)).
     pub arena_hugepage_refusals: u64,

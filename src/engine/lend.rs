@@ -332,7 +332,7 @@ impl Engine {
 
     /// A staging slot for `tensor`'s whole blocks, from the first staging
     /// arena with room, or a new one (registered like any arena).
-    fn staging_slot(&self, tensor: &TensorRef, pad: usize, align: usize) -> Result<Slot> {
+    pub(crate) fn staging_slot(&self, tensor: &TensorRef, pad: usize, align: usize) -> Result<Slot> {
         let len = tensor.len as usize;
         let want = window_bytes(pad, tensor.len, align)
             .ok_or_else(|| Error::Config(format!("tensor {}: its blocks do not fit usize", tensor.name)))?;

@@ -29,6 +29,7 @@ mod probe;
 mod queue;
 mod registry;
 mod router;
+mod slice;
 mod staging;
 mod start;
 mod submit;
@@ -40,6 +41,7 @@ pub use lend::{Lent, LentLoaded, LentTicket, Scratch};
 use queue::{Control, Io};
 use registry::Registry;
 use router::Router;
+pub use slice::SliceTicket;
 use sync::lock_std as lock;
 pub use ticket::{Loaded, Ticket};
 
@@ -166,6 +168,8 @@ pub struct Engine {
     origin: Origin,
     /// Staging for reads into caller memory out of phase.
     staging: staging::Staging,
+    /// Slice reads: bytes wanted against bytes read.
+    slices: slice::SliceCounters,
 }
 
 impl std::fmt::Debug for Engine {
@@ -364,6 +368,14 @@ impl Engine {
             bytes: ld(&sc.bytes),
             copy_cpu_ns: ld(&sc.copy_ns),
             staging_bytes: ld(&sc.mapped),
+        };
+        let c = &self.slices;
+        s.slices = crate::stats::SliceStats {
+            reads: ld(&c.reads),
+            pieces: ld(&c.pieces),
+            runs: ld(&c.runs),
+            bytes_wanted: ld(&c.wanted),
+            bytes_read: ld(&c.read),
         };
         if self.origin.forked() {
             // A child: the registry, the lanes' queues and the drives' loads

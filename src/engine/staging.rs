@@ -59,7 +59,7 @@ impl Staged {
     }
 }
 
-fn thread_cpu_ns() -> u64 {
+pub(crate) fn thread_cpu_ns() -> u64 {
     let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
     (t.tv_sec as u64)
         .saturating_mul(1_000_000_000)

@@ -77,6 +77,7 @@ impl Engine {
             localities,
             origin: Origin::here(),
             staging: Default::default(),
+            slices: Default::default(),
         })
     }
 }

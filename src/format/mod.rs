@@ -6,3 +6,4 @@ pub(crate) mod container;
 pub(crate) mod dtype;
 pub(crate) mod element;
 pub(crate) mod experts;
+pub(crate) mod slice;

@@ -308,6 +308,7 @@ impl Model {
             registered_buffers: None,
             drives,
             staged: Default::default(),
+            slices: Default::default(),
             arena_hugepage_refusals: crate::memory::hugepage_refusals(),
             warnings: Vec::new(),
         };

@@ -153,6 +153,19 @@ impl fmt::Display for Stats {
                 bytes(st.staging_bytes)
             )?;
         }
+        let sl = &self.slices;
+        if sl.reads > 0 {
+            write!(
+                f,
+                "\nslices: {} read as {} pieces ({} runs); {} wanted, {} read ({:.3}x)",
+                sl.reads,
+                sl.pieces,
+                sl.runs,
+                bytes(sl.bytes_wanted),
+                bytes(sl.bytes_read),
+                sl.read_amplification().unwrap_or(0.0)
+            )?;
+        }
         for d in &self.drives {
             writeln!(f)?;
             drive(f, d)?;
@@ -222,6 +235,7 @@ mod tests {
             drives: vec![drive_stats("vda")],
             arena_hugepage_refusals: 0,
             staged: Default::default(),
+            slices: Default::default(),
             warnings,
         }
     }

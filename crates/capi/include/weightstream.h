@@ -192,6 +192,11 @@ typedef struct ws_stats {
   // Reads that landed in staging and were copied into place.
   uint64_t staged_reads;
   uint64_t staged_bytes;
+  // Slices read (`ws_read_slice`), the bytes they held, and the bytes of
+  // whole blocks their pieces spanned (what the drives moved).
+  uint64_t slice_reads;
+  uint64_t slice_bytes_wanted;
+  uint64_t slice_bytes_read;
   uint32_t drives;
   // Warnings the engine has (the JSON has their text).
   uint32_t warnings;
@@ -263,6 +268,24 @@ typedef struct ws_read {
 typedef struct ws_ticket {
   uint64_t id;
 } ws_ticket;
+
+// A range `[start, end)` of one dimension of a tensor (`ws_read_slice`).
+typedef struct ws_range {
+  uint64_t start;
+  uint64_t end;
+} ws_range;
+
+// What a slice is (`ws_slice_size`): its bytes, and how it would be read.
+typedef struct ws_slice_info {
+  // The slice's bytes, compact and row-major (what lands in memory).
+  uint64_t bytes;
+  // Bytes of whole blocks its pieces span (what the drives move).
+  uint64_t read_bytes;
+  // Runs of contiguous bytes (one per row of a column slice; 1 for rows).
+  uint64_t runs;
+  // Reads it is split into (runs merged across gaps of at most 32 KiB).
+  uint64_t pieces;
+} ws_slice_info;
 
 // Where a payload landed and what was read.
 typedef struct ws_read_result {
@@ -489,6 +512,47 @@ enum ws_status ws_read_into(struct ws_engine engine,
                             struct ws_memory memory,
                             const struct ws_read *read,
                             struct ws_ticket *ticket);
+
+// The bytes of a slice of tensor `tensor` (`bounds`: `ndims` ranges
+// `[start, end)`, one per leading dimension; the dimensions after them
+// whole), and how `ws_read_slice` would read it on this engine's drives.
+// A range outside its dimension, an empty slice, or one that cuts
+// sub-byte elements is `WS_ERR_INVALID` naming the tensor.
+//
+// # Safety
+// `bounds` is valid for `ndims` reads (or `ndims` is 0); `info` is valid
+// for a write.
+enum ws_status ws_slice_size(struct ws_engine engine,
+                             size_t tensor,
+                             const struct ws_range *bounds,
+                             size_t ndims,
+                             struct ws_slice_info *info);
+
+// Starts the read of a slice of tensor `tensor` (a tensor-parallel
+// rank's rows or columns: `bounds` as `ws_slice_size`), its bytes
+// landing compact and row-major at offset `at` of `memory`. Only the
+// slice's pieces are read from the drives: rows as one read (in place and
+// O_DIRECT when `at` is in phase, as `ws_read_into` with `scratch`), and
+// any other block run by run, neighbouring runs merged across gaps of at
+// most 32 KiB, O_DIRECT into the engine's staging memory, then copied
+// into place when the ticket is collected (poll, wait), on that thread.
+// `flags`: 0 or `WS_READ_HOLD`. The result's `bytes` is the slice's.
+// Busy bytes are `WS_ERR_BUSY`; bytes past the memory `WS_ERR_TOO_SMALL`.
+//
+// Thread safety: as `ws_read_into`.
+//
+// # Safety
+// `bounds` is valid for `ndims` reads (or `ndims` is 0); `ticket` is
+// valid for a write.
+enum ws_status ws_read_slice(struct ws_engine engine,
+                             struct ws_memory memory,
+                             size_t tensor,
+                             const struct ws_range *bounds,
+                             size_t ndims,
+                             size_t at,
+                             uint32_t scratch,
+                             uint32_t flags,
+                             struct ws_ticket *ticket);
 
 // Starts one read to a place the engine picks: in packed memory (the
 // caller's or `ws_arena_create`), the lowest free run of whole blocks in

@@ -233,6 +233,9 @@ pub unsafe extern "C" fn ws_engine_stats(engine: ws_engine, out: *mut ws_stats) 
             fallbacks: s.fallbacks_total(),
             staged_reads: s.staged.reads,
             staged_bytes: s.staged.bytes,
+            slice_reads: s.slices.reads,
+            slice_bytes_wanted: s.slices.bytes_wanted,
+            slice_bytes_read: s.slices.bytes_read,
             drives: s.drives.len() as u32,
             warnings: s.warnings.len() as u32,
         };

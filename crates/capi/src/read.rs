@@ -16,15 +16,15 @@ use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
-use ws::{Scratch, Ticket};
+use ws::{Scratch, SliceTicket};
 
 use crate::engine::{EngineObj, ENGINES};
 use crate::handles::Table;
 use crate::memory::{MemKind, MemoryObj};
 use crate::status::{guard, ws_status, Fail, Res};
 use crate::types::{
-    ws_engine, ws_memory, ws_read, ws_read_result, ws_ticket, WS_READ_HOLD, WS_READ_IN_PLACE, WS_SCRATCH_BEFORE,
-    WS_SCRATCH_BLOCKS, WS_SCRATCH_NONE,
+    ws_engine, ws_memory, ws_range, ws_read, ws_read_result, ws_slice_info, ws_ticket, WS_READ_HOLD, WS_READ_IN_PLACE,
+    WS_SCRATCH_BEFORE, WS_SCRATCH_BLOCKS, WS_SCRATCH_NONE,
 };
 use crate::util::{invalid, null, MAX_BATCH};
 
@@ -48,7 +48,8 @@ impl Out {
 }
 
 enum State {
-    Pending(Ticket),
+    /// In flight (a plain read is a one-piece slice ticket).
+    Pending(SliceTicket),
     /// A call is working on it (waiting, polling, notifying).
     Waiting,
     /// Completed and not yet handed out, or held (`WS_READ_HOLD`: the
@@ -132,13 +133,13 @@ impl Drop for Taken<'_> {
     }
 }
 
-fn new_ticket(m: &Arc<MemoryObj>, ticket: Ticket, hold: bool) -> ws_ticket {
+fn new_ticket(m: &Arc<MemoryObj>, ticket: impl Into<SliceTicket>, hold: bool) -> ws_ticket {
     // Counted before the submission's hold on the memory ends (the caller
     // drops its `Entry` after this), so an unregister sees it.
     m.tickets.fetch_add(1, Ordering::SeqCst);
     ws_ticket {
         id: TICKETS.insert(TicketObj {
-            state: Mutex::new(State::Pending(ticket)),
+            state: Mutex::new(State::Pending(ticket.into())),
             memory: Arc::clone(m),
             hold,
         }),
@@ -289,6 +290,156 @@ pub unsafe extern "C" fn ws_read_into(
         let t = submit(&e, &m, &r)?;
         // SAFETY: non-NULL, valid for a write (the contract).
         unsafe { ticket.write(t) };
+        Ok(ws_status::WS_OK)
+    })
+}
+
+/// The slice of tensor `tensor` that `bounds` (`ndims` ranges, one per
+/// leading dimension; the rest whole) name.
+///
+/// # Safety
+/// `bounds` is valid for `ndims` reads (or `ndims` is 0).
+unsafe fn slice_of(e: &EngineObj, tensor: usize, bounds: *const ws_range, ndims: usize) -> Res<ws::TensorSlice> {
+    let t = e.model.tensor(tensor)?;
+    if ndims > 0 && bounds.is_null() {
+        return Err(null("bounds"));
+    }
+    if ndims > t.shape.len() {
+        return Err(invalid(format!(
+            "tensor {}: {ndims} ranges for its {} dimensions",
+            t.name,
+            t.shape.len()
+        )));
+    }
+    let ranges: &[ws_range] = if ndims == 0 {
+        &[]
+    } else {
+        // SAFETY: non-NULL, valid for `ndims` reads (the contract), and
+        // `ndims` is at most the tensor's dimensions (checked above).
+        unsafe { std::slice::from_raw_parts(bounds, ndims) }
+    };
+    let mut r = Vec::with_capacity(ndims);
+    for (d, b) in ranges.iter().enumerate() {
+        let (Ok(a), Ok(z)) = (usize::try_from(b.start), usize::try_from(b.end)) else {
+            return Err(invalid(format!(
+                "tensor {}: range {d} does not fit this address space",
+                t.name
+            )));
+        };
+        r.push(a..z);
+    }
+    // Bounds are the caller's arguments: a bad one is WS_ERR_INVALID.
+    t.slice(&r).map_err(|e| invalid(e.to_string()))
+}
+
+/// The bytes of a slice of tensor `tensor` (`bounds`: `ndims` ranges
+/// `[start, end)`, one per leading dimension; the dimensions after them
+/// whole), and how `ws_read_slice` would read it on this engine's drives.
+/// A range outside its dimension, an empty slice, or one that cuts
+/// sub-byte elements is `WS_ERR_INVALID` naming the tensor.
+///
+/// # Safety
+/// `bounds` is valid for `ndims` reads (or `ndims` is 0); `info` is valid
+/// for a write.
+#[no_mangle]
+pub unsafe extern "C" fn ws_slice_size(
+    engine: ws_engine,
+    tensor: usize,
+    bounds: *const ws_range,
+    ndims: usize,
+    info: *mut ws_slice_info,
+) -> ws_status {
+    guard("ws_slice_size", || {
+        if info.is_null() {
+            return Err(null("info"));
+        }
+        let e = ENGINES.get(engine.id)?;
+        // SAFETY: the contract above.
+        let s = unsafe { slice_of(&e, tensor, bounds, ndims) }?;
+        let plan = s.plan(e.engine.direct_align() as u64, ws::SLICE_GAP_BYTES);
+        let out = ws_slice_info {
+            bytes: s.len(),
+            read_bytes: plan.read,
+            runs: s.runs().len() as u64,
+            pieces: plan.pieces.len() as u64,
+        };
+        // SAFETY: checked non-NULL; valid for a write (the contract).
+        unsafe { info.write(out) };
+        Ok(ws_status::WS_OK)
+    })
+}
+
+/// Starts the read of a slice of tensor `tensor` (a tensor-parallel
+/// rank's rows or columns: `bounds` as `ws_slice_size`), its bytes
+/// landing compact and row-major at offset `at` of `memory`. Only the
+/// slice's pieces are read from the drives: rows as one read (in place and
+/// O_DIRECT when `at` is in phase, as `ws_read_into` with `scratch`), and
+/// any other block run by run, neighbouring runs merged across gaps of at
+/// most 32 KiB, O_DIRECT into the engine's staging memory, then copied
+/// into place when the ticket is collected (poll, wait), on that thread.
+/// `flags`: 0 or `WS_READ_HOLD`. The result's `bytes` is the slice's.
+/// Busy bytes are `WS_ERR_BUSY`; bytes past the memory `WS_ERR_TOO_SMALL`.
+///
+/// Thread safety: as `ws_read_into`.
+///
+/// # Safety
+/// `bounds` is valid for `ndims` reads (or `ndims` is 0); `ticket` is
+/// valid for a write.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn ws_read_slice(
+    engine: ws_engine,
+    memory: ws_memory,
+    tensor: usize,
+    bounds: *const ws_range,
+    ndims: usize,
+    at: usize,
+    scratch: u32,
+    flags: u32,
+    ticket: *mut ws_ticket,
+) -> ws_status {
+    guard("ws_read_slice", || {
+        if ticket.is_null() {
+            return Err(null("ticket"));
+        }
+        if flags & !WS_READ_HOLD != 0 {
+            return Err(invalid(format!(
+                "flags {flags:#x}: ws_read_slice takes 0 or WS_READ_HOLD"
+            )));
+        }
+        let scratch = scratch_of(scratch)?;
+        let (e, m) = engine_and_memory(engine, memory)?;
+        // SAFETY: the contract above.
+        let s = unsafe { slice_of(&e, tensor, bounds, ndims) }?;
+        if m.kind == MemKind::Slots {
+            return Err(invalid(
+                "an arena of fixed slots cannot take a slice at an offset: use packed memory (ws_memory_register, ws_arena_create)",
+            ));
+        }
+        if usize::try_from(s.len())
+            .ok()
+            .and_then(|n| at.checked_add(n))
+            .is_none_or(|end| end > m.len)
+        {
+            return Err(Fail::new(
+                ws_status::WS_ERR_TOO_SMALL,
+                format!(
+                    "tensor {}: a slice of {} bytes at offset {at} does not fit the {}-byte memory",
+                    s.tensor().name,
+                    s.len(),
+                    m.len
+                ),
+            ));
+        }
+        let entry = m.enter()?;
+        let t = e
+            .engine
+            .read_slice(&s, &entry.arena, at, scratch)
+            .map_err(busy_if_overlap)?;
+        let tk = new_ticket(&m, t, flags & WS_READ_HOLD != 0);
+        drop(entry);
+        // SAFETY: non-NULL, valid for a write (the contract).
+        unsafe { ticket.write(tk) };
         Ok(ws_status::WS_OK)
     })
 }

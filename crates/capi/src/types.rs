@@ -167,6 +167,28 @@ pub struct ws_read {
     pub flags: u32,
 }
 
+/// A range `[start, end)` of one dimension of a tensor (`ws_read_slice`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ws_range {
+    pub start: u64,
+    pub end: u64,
+}
+
+/// What a slice is (`ws_slice_size`): its bytes, and how it would be read.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ws_slice_info {
+    /// The slice's bytes, compact and row-major (what lands in memory).
+    pub bytes: u64,
+    /// Bytes of whole blocks its pieces span (what the drives move).
+    pub read_bytes: u64,
+    /// Runs of contiguous bytes (one per row of a column slice; 1 for rows).
+    pub runs: u64,
+    /// Reads it is split into (runs merged across gaps of at most 32 KiB).
+    pub pieces: u64,
+}
+
 /// What a shutdown did.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
@@ -192,6 +214,11 @@ pub struct ws_stats {
     /// Reads that landed in staging and were copied into place.
     pub staged_reads: u64,
     pub staged_bytes: u64,
+    /// Slices read (`ws_read_slice`), the bytes they held, and the bytes of
+    /// whole blocks their pieces spanned (what the drives moved).
+    pub slice_reads: u64,
+    pub slice_bytes_wanted: u64,
+    pub slice_bytes_read: u64,
     pub drives: u32,
     /// Warnings the engine has (the JSON has their text).
     pub warnings: u32,
