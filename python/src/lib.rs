@@ -346,6 +346,28 @@ impl Reader {
         }
     }
 
+    /// The block of `name` that keeps `bounds[d]` of each leading
+    /// dimension (the rest whole), compact and row-major, in memory of its
+    /// own: rows in place, other blocks piece by piece (see
+    /// `Engine::read_slice`), never the tensor's other bytes.
+    fn read_slice(&self, py: Python<'_>, name: &str, bounds: Vec<(usize, usize)>) -> PyResult<Payload> {
+        let t = self.tensor(name)?;
+        let engine = self.engine()?;
+        let ranges: Vec<std::ops::Range<usize>> = bounds.iter().map(|&(a, b)| a..b).collect();
+        let slice = t.slice(&ranges).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let loaded = py
+            .detach(|| -> ws::Result<ws::Loaded> {
+                let len = usize::try_from(slice.len()).unwrap_or(usize::MAX);
+                let memory = engine.packed_arena(slice_room(&slice, engine.direct_align()).max(len), false)?;
+                let at = slice_offset(&slice, 0, engine.direct_align());
+                engine.read_slice(&slice, &memory, at, ws::Scratch::Before)?.wait()
+            })
+            .map_err(to_py)?;
+        Ok(Payload {
+            bytes: Arc::new(Bytes::Loaded(loaded)),
+        })
+    }
+
     /// Reads `name` (or bytes `[start, end)` of it) into `nbytes` bytes at
     /// address `address`: the memory of a tensor or array the Python layer
     /// checked (contiguous, writable, on the CPU, of this size) and keeps
@@ -428,11 +450,105 @@ impl Reader {
     }
 }
 
+/// Where a slice starts in packed memory whose free bytes begin at
+/// `cursor`: rows (one run) in phase with their file offset, on a block of
+/// their own, so they are read in place; any other block (copied out of
+/// staging anyway) at the next 64 bytes.
+fn slice_offset(slice: &ws::TensorSlice, cursor: usize, align: usize) -> usize {
+    match slice.as_range() {
+        Some(rows) => cursor.next_multiple_of(align) + (rows.offset % align as u64) as usize,
+        None => cursor.next_multiple_of(64),
+    }
+}
+
+/// Bytes a slice needs in packed memory placed by [`slice_offset`], at most.
+fn slice_room(slice: &ws::TensorSlice, align: usize) -> usize {
+    usize::try_from(slice.len()).unwrap_or(usize::MAX).saturating_add(2 * align)
+}
+
+/// Every tensor of a model (or one file) as `[(name, dtype, shape)]` in
+/// name order: its headers only, no engine.
+#[pyfunction]
+#[pyo3(signature = (path, dirs=None, mirrors=None))]
+fn catalog(
+    py: Python<'_>,
+    path: &str,
+    dirs: Option<Vec<String>>,
+    mirrors: Option<Vec<String>>,
+) -> PyResult<Vec<(String, String, Vec<usize>)>> {
+    let config = layout(path, dirs, mirrors, None, None)?;
+    let model = py.detach(|| ws::Model::open(config)).map_err(to_py)?;
+    Ok(model
+        .catalog()
+        .tensors()
+        .iter()
+        .map(|t| (t.name.clone(), t.dtype.name().to_string(), t.shape.clone()))
+        .collect())
+}
+
+/// A tensor or slice a load read: name, dtype, shape, its bytes.
+type Landed = (String, String, Vec<usize>, ws::Loaded);
+
+/// Bytes of slices kept in flight by a load with `parts` (their pieces'
+/// staging is bounded by it, not by the model).
+const SLICES_IN_FLIGHT: u64 = 256 << 20;
+
+/// The slices of a load (`parts`: name -> a range per leading dimension),
+/// read into one packed mapping, at most [`SLICES_IN_FLIGHT`] bytes in
+/// flight: `(name, dtype, shape, loaded)` in name order.
+fn load_slices(
+    engine: &ws::Engine,
+    model: &ws::Model,
+    parts: &std::collections::BTreeMap<String, Vec<(usize, usize)>>,
+) -> ws::Result<Vec<Landed>> {
+    let align = engine.direct_align();
+    let mut slices = Vec::with_capacity(parts.len());
+    for (name, bounds) in parts {
+        let ranges: Vec<std::ops::Range<usize>> = bounds.iter().map(|&(a, b)| a..b).collect();
+        slices.push(model.tensor(name)?.slice(&ranges)?);
+    }
+    if slices.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut at = Vec::with_capacity(slices.len());
+    let mut cursor = 0usize;
+    for s in &slices {
+        let a = slice_offset(s, cursor, align);
+        at.push(a);
+        cursor = a + usize::try_from(s.len()).unwrap_or(usize::MAX);
+    }
+    let memory = engine.packed_arena(cursor.max(4096), false)?;
+    let mut out = Vec::with_capacity(slices.len());
+    let mut pending: std::collections::VecDeque<(usize, ws::SliceTicket)> = Default::default();
+    let mut in_flight = 0u64;
+    for (i, s) in slices.iter().enumerate() {
+        while in_flight > 0 && in_flight + s.len() > SLICES_IN_FLIGHT {
+            let (k, t) = pending.pop_front().expect("bytes in flight are pending reads");
+            in_flight -= slices[k].len();
+            out.push((k, t.wait()?));
+        }
+        pending.push_back((i, engine.read_slice(s, &memory, at[i], ws::Scratch::Before)?));
+        in_flight += s.len();
+    }
+    for (k, t) in pending {
+        out.push((k, t.wait()?));
+    }
+    out.sort_by_key(|(k, _)| *k);
+    Ok(out
+        .into_iter()
+        .map(|(k, l)| {
+            let s = &slices[k];
+            (s.tensor().name.clone(), s.dtype().name().to_string(), s.shape().to_vec(), l)
+        })
+        .collect())
+}
+
 /// A whole-model (or filtered) load: `[(name, dtype, shape, payload)]` in
 /// name order, every payload in one mapping that lives while any of them
 /// does; plus the report as JSON text.
 #[pyfunction]
-#[pyo3(signature = (path, dirs=None, mirrors=None, route=None, direct=None, names=None))]
+#[pyo3(signature = (path, dirs=None, mirrors=None, route=None, direct=None, names=None, parts=None))]
+#[allow(clippy::too_many_arguments)]
 fn load(
     py: Python<'_>,
     path: &str,
@@ -441,7 +557,9 @@ fn load(
     route: Option<&str>,
     direct: Option<&str>,
     names: Option<Vec<String>>,
+    parts: Option<std::collections::BTreeMap<String, Vec<(usize, usize)>>>,
 ) -> PyResult<(Vec<Item>, String)> {
+    let parts = parts.unwrap_or_default();
     let config = layout(path, dirs, mirrors, route, direct)?;
     let (tx, rx) = std::sync::mpsc::channel();
     // The load runs on a thread of its own: this one only waits, checking
@@ -458,19 +576,42 @@ fn load(
                 if let Some(n) = names.filter(|n| !n.is_empty()) {
                     opts = opts.names_containing(n);
                 }
-                let loaded = engine.load_all(&opts)?;
-                let report = format!(
-                    "{{\"tensors\": {}, \"bytes\": {}, \"seconds\": {}, \"gbps\": {}}}",
-                    loaded.report().tensors,
-                    loaded.report().bytes,
-                    loaded.report().seconds,
-                    loaded.report().gbps()
-                );
-                let meta: Vec<(String, String, Vec<usize>)> = loaded
+                // Tensors read as slices are not read whole.
+                let sliced: std::collections::HashSet<String> = parts.keys().cloned().collect();
+                let whole_left = model
+                    .catalog()
+                    .tensors()
                     .iter()
-                    .map(|v| (v.name().to_string(), v.dtype().name().to_string(), v.shape().to_vec()))
-                    .collect();
-                Ok((meta, loaded.into_loaded(), report))
+                    .any(|t| !sliced.contains(&t.name));
+                if !sliced.is_empty() {
+                    opts = opts.filter(move |t| !sliced.contains(&t.name));
+                }
+                let t0 = std::time::Instant::now();
+                let mut meta: Vec<(String, String, Vec<usize>)> = Vec::new();
+                let mut all: Vec<ws::Loaded> = Vec::new();
+                let mut bytes = 0u64;
+                if parts.is_empty() || whole_left {
+                    let loaded = engine.load_all(&opts)?;
+                    bytes += loaded.report().bytes;
+                    meta = loaded
+                        .iter()
+                        .map(|v| (v.name().to_string(), v.dtype().name().to_string(), v.shape().to_vec()))
+                        .collect();
+                    all = loaded.into_loaded();
+                }
+                for (name, dtype, shape, l) in load_slices(&engine, &model, &parts)? {
+                    bytes += l.bytes().len() as u64;
+                    meta.push((name, dtype, shape));
+                    all.push(l);
+                }
+                let seconds = t0.elapsed().as_secs_f64();
+                let report = format!(
+                    "{{\"tensors\": {}, \"bytes\": {bytes}, \"seconds\": {seconds}, \"gbps\": {}, \"slices\": {}}}",
+                    meta.len(),
+                    bytes as f64 / seconds.max(1e-9) / 1e9,
+                    parts.len()
+                );
+                Ok((meta, all, report))
             })();
             let _ = tx.send(r);
         })
@@ -615,6 +756,7 @@ fn version() -> &'static str {
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(catalog, m)?)?;
     m.add_class::<Reader>()?;
     m.add_class::<Payload>()?;
     m.add_class::<Stream>()?;

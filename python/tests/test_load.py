@@ -60,6 +60,41 @@ def test_names_filter(sharded):
         weightstream.load(d, framework="np", names=["no_such_part"])
 
 
+def test_shard_reads_each_ranks_part_alone(sharded):
+    d, want = sharded
+    # Column-parallel q (rows), row-parallel k (columns), norm whole: as a
+    # vLLM-style loader declares its layers.
+    for world in (2, 4):
+        for rank in range(world):
+            table = {"*.q.weight": (0, rank, world), "*.k.weight": (1, rank, world), "*.norm.*": None}
+
+            def part(name, a):
+                if name.endswith("q.weight"):
+                    n = a.shape[0]
+                    return a[n * rank // world : n * (rank + 1) // world]
+                if name.endswith("k.weight"):
+                    n = a.shape[1]
+                    return a[:, n * rank // world : n * (rank + 1) // world]
+                return a
+
+            expect = {k: part(k, v) for k, v in want.items()}
+            check(weightstream.load(d, framework="np", shard=table), expect)
+            # The same rule as a function, with a names filter.
+            rule = lambda name, shape: table["*.q.weight"] if name.endswith("q.weight") else None  # noqa: E731
+            got = weightstream.load(d, framework="np", shard=rule, names=["layers.1."])
+            check(got, {k: (part(k, v) if k.endswith("q.weight") else v) for k, v in want.items() if "layers.1." in k})
+    # Every tensor sliced: nothing is read whole.
+    got = weightstream.load(d, framework="np", shard={"*": (0, 1, 2)})
+    check(got, {k: v[v.shape[0] // 2 :] for k, v in want.items()})
+    assert weightstream.shard_bounds("x", [10, 6], (1, 1, 4)) == [(0, 10), (1, 3)]
+    assert weightstream.shard_bounds("x", [10, 6], (-1, 3, 4)) == [(0, 10), (4, 6)]
+    for bad in ((2, 0, 2), (0, 2, 2), (0, 0, 0), "x"):
+        with pytest.raises(ValueError, match="model.layers"):
+            weightstream.load(d, framework="np", shard={"*": bad})
+    with pytest.raises(ValueError, match="gets nothing"):
+        weightstream.load(d, framework="np", shard={"*.norm.weight": (0, 0, 200)}, names=["norm"])
+
+
 def test_split_and_mirror(sharded, tmp_path):
     d, want = sharded
     a, b, m = tmp_path / "a", tmp_path / "b", tmp_path / "m"

@@ -7,19 +7,22 @@ out is ever reused or written by a later read.
 """
 
 import json as _json
+import operator as _operator
 
 from . import _native
 from ._convert import convert as _convert
 from ._native import SafetensorError
 
 __version__ = _native.version()
-__all__ = ["safe_open", "load", "stream", "Engine", "SafetensorError", "__version__"]
+__all__ = ["safe_open", "load", "stream", "shard_bounds", "Engine", "SafetensorError", "__version__"]
 
 
 class _Slice:
     """A tensor not yet read: ``get_shape()``, ``get_dtype()``, and indexing
-    (``[a:b]``, ``[:, a:b]``, ``[i]``, ``...``) that reads only the rows the
-    first index needs."""
+    (``[a:b]``, ``[:, a:b]``, ``[i]``, ``...``, steps past the first
+    dimension) that reads from the drives only the block the index covers:
+    rows as one read, columns and other blocks row part by row part (see
+    ``TensorSlice`` in the Rust crate), never the whole tensor."""
 
     def __init__(self, reader, name, framework):
         self._reader = reader
@@ -40,38 +43,67 @@ class _Slice:
         if not shape:
             if index not in ((), (Ellipsis,)):
                 raise SafetensorError(f"tensor {self._name}: a scalar has no dimension to index")
-            return self._read(None, None, shape)
-        first = index[0] if index else slice(None)
-        rows = shape[0]
-        row_bytes = self._nbytes // rows if rows else 0
-        if isinstance(first, slice):
-            start, stop, step = first.indices(rows)
-            if step != 1:
-                # safetensors reads contiguous rows only; so does this.
-                raise SafetensorError(f"tensor {self._name}: a step ({step}) in the first dimension is not supported")
-            stop = max(stop, start)
-            part = self._read(start * row_bytes, stop * row_bytes, [stop - start] + shape[1:])
-            rest = (slice(None),) + tuple(index[1:])
-        elif first is Ellipsis:
-            part = self._read(None, None, shape)
-            rest = index
+            return self._finish(self._read_block([], shape), ())
+        if index.count(Ellipsis) > 1:
+            raise SafetensorError(f"tensor {self._name}: an index can only have a single ellipsis ('...')")
+        if Ellipsis in index:
+            k = index.index(Ellipsis)
+            fill = max(len(shape) - (len(index) - 1), 0)
+            index = index[:k] + (slice(None),) * fill + index[k + 1 :]
+        if len(index) > len(shape):
+            raise SafetensorError(
+                f"tensor {self._name}: {len(index)} indices for a tensor of {len(shape)} dimensions"
+            )
+        # The block to read (a range per indexed dimension, step 1), then
+        # what is left to apply in memory: steps, and ints dropping a
+        # dimension.
+        bounds, rest = [], []
+        for d, ix in enumerate(index):
+            n = shape[d]
+            if isinstance(ix, slice):
+                start, stop, step = ix.indices(n)
+                if step < 1 or (d == 0 and step != 1):
+                    # safetensors reads contiguous rows only; so does this.
+                    raise SafetensorError(
+                        f"tensor {self._name}: a step ({step}) in dimension {d} is not supported"
+                    )
+                stop = max(stop, start)
+                if step > 1 and stop > start:
+                    # The block ends at the last element the step keeps.
+                    stop = start + (stop - 1 - start) // step * step + 1
+                bounds.append((start, stop))
+                rest.append(slice(None, None, step))
+            else:
+                try:
+                    i = _operator.index(ix)
+                except TypeError:
+                    raise SafetensorError(
+                        f"tensor {self._name}: index {ix!r} in dimension {d} is not an int, a slice or '...'"
+                    ) from None
+                if i < -n or i >= n:
+                    raise SafetensorError(f"tensor {self._name}: index {i} is out of range for dimension {d} of size {n}")
+                i %= n
+                bounds.append((i, i + 1))
+                rest.append(0)
+        block = [b - a for a, b in bounds] + shape[len(bounds) :]
+        return self._finish(self._read_block(bounds, block), tuple(rest))
+
+    def _read_block(self, bounds, block):
+        if any(n == 0 for n in block):
+            payload = self._reader.read(self._name, 0, 0)
+        elif all(b == (0, n) for b, n in zip(bounds, self._shape)):
+            payload = self._reader.read(self._name)
         else:
-            i = int(first)
-            if i < -rows or i >= rows:
-                raise SafetensorError(f"tensor {self._name}: index {i} is out of range for dimension 0 of size {rows}")
-            i %= rows
-            part = self._read(i * row_bytes, (i + 1) * row_bytes, [1] + shape[1:])
-            rest = (0,) + tuple(index[1:])
-        out = part[rest]
+            payload = self._reader.read_slice(self._name, bounds)
+        return _convert(self._framework)(payload, self._dtype, block)
+
+    def _finish(self, part, rest):
+        out = part[rest] if rest else part
         if self._framework in ("np", "numpy"):
             import numpy as np
 
             return np.ascontiguousarray(out)
         return out.contiguous()
-
-    def _read(self, start, end, shape):
-        payload = self._reader.read(self._name, start, end)
-        return _convert(self._framework)(payload, self._dtype, shape)
 
 
 class safe_open:
@@ -155,13 +187,23 @@ def _names(names):
     return list(names) if names else None
 
 
-def load(path, framework="pt", *, dirs=None, mirrors=None, route=None, direct=None, names=None):
+def load(path, framework="pt", *, dirs=None, mirrors=None, route=None, direct=None, names=None, shard=None):
     """Every tensor of a model (a directory, its ``model.safetensors.index.json``,
     or one ``.safetensors`` file) as ``{name: tensor}``, read O_DIRECT by
     every drive at once into one mapping that the tensors keep alive.
     ``names``: only tensors whose name contains one of these strings.
+    ``shard``: this rank's part of tensor-parallel layers, read alone (the
+    other ranks' bytes are not read): a table ``{pattern: (dim, rank,
+    world_size)}`` (shell-style patterns over tensor names, the first that
+    matches wins; ``None`` as the value keeps a tensor whole), or a function
+    ``(name, shape) -> (dim, rank, world_size) or None``. A rank's part of
+    a dimension of size n is ``[n * rank // world_size, n * (rank + 1) //
+    world_size)``; tensors no rule names are read whole.
     Ctrl-C raises ``KeyboardInterrupt`` within 50 ms."""
     path, names = _model_path(path), _names(names)
+    parts = None
+    if shard is not None:
+        parts = _shard_parts(path, shard, names, dirs, mirrors)
     tensors, _report = _native.load(
         path,
         dirs=_paths(dirs),
@@ -169,9 +211,67 @@ def load(path, framework="pt", *, dirs=None, mirrors=None, route=None, direct=No
         route=route,
         direct=direct,
         names=names,
+        parts=parts,
     )
     conv = _convert(framework)
     return {name: conv(payload, dtype, shape) for name, dtype, shape, payload in tensors}
+
+
+def _shard_rule(shard):
+    """A ``shard=`` argument as a function ``(name, shape) -> spec or None``."""
+    if callable(shard):
+        return shard
+    import fnmatch
+
+    items = list(shard.items()) if isinstance(shard, dict) else list(shard)
+
+    def rule(name, shape):
+        for pattern, spec in items:
+            if fnmatch.fnmatchcase(name, pattern):
+                return spec
+        return None
+
+    return rule
+
+
+def shard_bounds(name, shape, spec):
+    """The block a ``(dim, rank, world_size)`` spec keeps of a tensor of
+    ``shape``: a range per dimension up to ``dim`` (the ones before it
+    whole), as ``load(shard=...)`` reads it. A bad spec raises ``ValueError``
+    naming the tensor."""
+    try:
+        dim, rank, world = (_operator.index(v) for v in spec)
+    except (TypeError, ValueError):
+        raise ValueError(f"tensor {name}: shard spec {spec!r} is not (dim, rank, world_size)") from None
+    if dim < 0:
+        dim += len(shape)
+    if not 0 <= dim < len(shape):
+        raise ValueError(f"tensor {name}: shard dim {spec[0]} is not a dimension of shape {list(shape)}")
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"tensor {name}: shard rank {rank} is not in 0..{world} (world_size {world})")
+    n = shape[dim]
+    return [(0, m) for m in shape[:dim]] + [(n * rank // world, n * (rank + 1) // world)]
+
+
+def _shard_parts(path, shard, names, dirs, mirrors):
+    """``{name: bounds}`` for every tensor ``shard`` slices (and ``names``
+    keeps); an empty part is refused."""
+    rule = _shard_rule(shard)
+    parts = {}
+    for name, _dtype, shape in _native.catalog(path, dirs=_paths(dirs), mirrors=_paths(mirrors)):
+        if names and not any(n in name for n in names):
+            continue
+        spec = rule(name, list(shape))
+        if spec is None:
+            continue
+        bounds = shard_bounds(name, shape, spec)
+        if bounds[-1][0] == bounds[-1][1]:
+            raise ValueError(
+                f"tensor {name}: rank {spec[1]} of {spec[2]} gets nothing of dimension {len(bounds) - 1} (size {shape[len(bounds) - 1]})"
+            )
+        if any(b != (0, m) for b, m in zip(bounds, shape)):
+            parts[name] = bounds
+    return parts
 
 
 def stream(path, framework="pt", *, dirs=None, mirrors=None, route=None, direct=None, names=None, window=8):
