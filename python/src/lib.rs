@@ -450,6 +450,9 @@ impl Reader {
     }
 }
 
+/// One tensor of [`catalog`]: name, dtype, shape, bytes, file, offset.
+type CatalogEntry = (String, String, Vec<usize>, u64, String, u64);
+
 /// Where a slice starts in packed memory whose free bytes begin at
 /// `cursor`: rows (one run) in phase with their file offset, on a block of
 /// their own, so they are read in place; any other block (copied out of
@@ -466,8 +469,9 @@ fn slice_room(slice: &ws::TensorSlice, align: usize) -> usize {
     usize::try_from(slice.len()).unwrap_or(usize::MAX).saturating_add(2 * align)
 }
 
-/// Every tensor of a model (or one file) as `[(name, dtype, shape)]` in
-/// name order: its headers only, no engine.
+/// Every tensor of a model (or one file) as `[(name, dtype, shape, bytes,
+/// file, offset)]` in name order (`file`: the shard's path, `offset`: the
+/// payload's in it): its headers only, no engine.
 #[pyfunction]
 #[pyo3(signature = (path, dirs=None, mirrors=None))]
 fn catalog(
@@ -475,14 +479,18 @@ fn catalog(
     path: &str,
     dirs: Option<Vec<String>>,
     mirrors: Option<Vec<String>>,
-) -> PyResult<Vec<(String, String, Vec<usize>)>> {
+) -> PyResult<Vec<CatalogEntry>> {
     let config = layout(path, dirs, mirrors, None, None)?;
     let model = py.detach(|| ws::Model::open(config)).map_err(to_py)?;
+    let shards = model.catalog().shards();
     Ok(model
         .catalog()
         .tensors()
         .iter()
-        .map(|t| (t.name.clone(), t.dtype.name().to_string(), t.shape.clone()))
+        .map(|t| {
+            let file = shards[t.shard].listed.to_string_lossy().into_owned();
+            (t.name.clone(), t.dtype.name().to_string(), t.shape.clone(), t.len, file, t.offset)
+        })
         .collect())
 }
 
@@ -547,7 +555,7 @@ fn load_slices(
 /// name order, every payload in one mapping that lives while any of them
 /// does; plus the report as JSON text.
 #[pyfunction]
-#[pyo3(signature = (path, dirs=None, mirrors=None, route=None, direct=None, names=None, parts=None))]
+#[pyo3(signature = (path, dirs=None, mirrors=None, route=None, direct=None, names=None, parts=None, only=None))]
 #[allow(clippy::too_many_arguments)]
 fn load(
     py: Python<'_>,
@@ -558,8 +566,12 @@ fn load(
     direct: Option<&str>,
     names: Option<Vec<String>>,
     parts: Option<std::collections::BTreeMap<String, Vec<(usize, usize)>>>,
+    only: Option<Vec<String>>,
 ) -> PyResult<(Vec<Item>, String)> {
     let parts = parts.unwrap_or_default();
+    // `only`: exactly these tensors whole (and `parts` sliced); an unknown
+    // name is an error naming it (below, with the model open).
+    let only: Option<std::collections::HashSet<String>> = only.map(|v| v.into_iter().collect());
     let config = layout(path, dirs, mirrors, route, direct)?;
     let (tx, rx) = std::sync::mpsc::channel();
     // The load runs on a thread of its own: this one only waits, checking
@@ -576,21 +588,26 @@ fn load(
                 if let Some(n) = names.filter(|n| !n.is_empty()) {
                     opts = opts.names_containing(n);
                 }
-                // Tensors read as slices are not read whole.
+                // Tensors read as slices are not read whole; with `only`,
+                // nothing else is either.
+                if let Some(only) = &only {
+                    if let Some(n) = only.iter().find(|n| model.catalog().get(n).is_none()) {
+                        return Err(ws::Error::Config(format!("load: no tensor named {n} (only=)")));
+                    }
+                }
                 let sliced: std::collections::HashSet<String> = parts.keys().cloned().collect();
-                let whole_left = model
-                    .catalog()
-                    .tensors()
-                    .iter()
-                    .any(|t| !sliced.contains(&t.name));
-                if !sliced.is_empty() {
-                    opts = opts.filter(move |t| !sliced.contains(&t.name));
+                let keep = move |t: &ws::TensorRef| {
+                    !sliced.contains(&t.name) && only.as_ref().is_none_or(|o| o.contains(&t.name))
+                };
+                let whole_left = model.catalog().tensors().iter().any(&keep);
+                if !parts.is_empty() || whole_left {
+                    opts = opts.filter(keep);
                 }
                 let t0 = std::time::Instant::now();
                 let mut meta: Vec<(String, String, Vec<usize>)> = Vec::new();
                 let mut all: Vec<ws::Loaded> = Vec::new();
                 let mut bytes = 0u64;
-                if parts.is_empty() || whole_left {
+                if whole_left {
                     let loaded = engine.load_all(&opts)?;
                     bytes += loaded.report().bytes;
                     meta = loaded

@@ -258,7 +258,7 @@ def _shard_parts(path, shard, names, dirs, mirrors):
     keeps); an empty part is refused."""
     rule = _shard_rule(shard)
     parts = {}
-    for name, _dtype, shape in _native.catalog(path, dirs=_paths(dirs), mirrors=_paths(mirrors)):
+    for name, _dtype, shape, *_ in _native.catalog(path, dirs=_paths(dirs), mirrors=_paths(mirrors)):
         if names and not any(n in name for n in names):
             continue
         spec = rule(name, list(shape))

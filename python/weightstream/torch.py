@@ -1,6 +1,9 @@
-"""``safetensors.torch``'s reader: ``load_file``."""
+"""``safetensors.torch``'s reader (``load_file``), and loads shared across
+the ranks of a ``torch.distributed`` process group (``load_distributed``)."""
 
+from . import _native, _paths, _model_path, _names, _shard_rule, shard_bounds
 from . import load as _load
+from ._convert import torch_dtype as _torch_dtype
 
 
 def load_file(filename, device="cpu"):
@@ -9,3 +12,221 @@ def load_file(filename, device="cpu"):
     if str(device) != "cpu":
         raise ValueError(f"device {device!r}: weightstream reads into CPU memory (device='cpu')")
     return _load(filename, framework="pt")
+
+
+class DistributedLoadError(RuntimeError):
+    """A rank could not read its part: raised on every rank, naming the rank
+    that failed and the file."""
+
+
+def load_distributed(
+    model,
+    group=None,
+    shard=None,
+    device="cpu",
+    *,
+    dirs=None,
+    mirrors=None,
+    route=None,
+    direct=None,
+    names=None,
+    report=None,
+):
+    """A state dict on every rank of ``group`` (default: the world), each
+    rank reading only its part of the model from the drives and receiving
+    the rest from the ranks that read it.
+
+    - Without ``shard``, every rank ends with every tensor. The tensors are
+      split over the ranks by bytes, in file order (so ranks whose files
+      are on different drives read different drives); each rank reads its
+      part with weightstream, then each tensor is broadcast from the rank
+      that read it.
+    - With ``shard`` (as ``weightstream.load``'s: a rule table or a
+      function, evaluated on each rank for that rank), each rank ends with
+      its own slices and the whole of every tensor no rule slices. A slice
+      that several ranks need (data-parallel replicas of one
+      tensor-parallel rank) is read once, by one of them, and sent only to
+      the others that need it.
+
+    Collectives follow the group's backend: gloo moves CPU tensors, NCCL
+    moves CUDA tensors (``device`` must then be a CUDA device). The bytes
+    are sent as uint8, so every dtype travels (bf16, float8).
+
+    Memory: a rank's final tensors and nothing sized to the model. Every
+    tensor or slice is read by one of the ranks that need it, which keeps
+    it; a receiver's bytes land in the tensor it keeps.
+
+    Errors: the reads come first, on every rank; a rank whose read failed
+    tells the others, and every rank raises ``DistributedLoadError``
+    naming the rank and the file before anything is exchanged. A rank that
+    dies makes the others raise when the group's timeout expires.
+
+    ``report``: a dict, filled with this rank's ``bytes_read`` (the
+    payload bytes it read from the drives), ``bytes_sent``,
+    ``bytes_received``, ``tensors_read`` and ``seconds``.
+    """
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    t0 = time.perf_counter()
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("load_distributed: torch.distributed is not initialized (init_process_group first)")
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    backend = str(dist.get_backend(group)).lower()
+    device = torch.device(device)
+    wire = device if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError(f"load_distributed: an NCCL group moves CUDA tensors; device={device} is not one")
+    path, names = _model_path(model), _names(names)
+
+    # The catalog, in file order: every rank reads the same headers and so
+    # computes the same plan.
+    catalog = _native.catalog(path, dirs=_paths(dirs), mirrors=_paths(mirrors))
+    info = {name: (dtype, list(shape), nbytes, file, offset) for name, dtype, shape, nbytes, file, offset in catalog}
+    order = sorted(info, key=lambda n: (info[n][3], info[n][4], n))
+    if names:
+        order = [n for n in order if any(p in n for p in names)]
+
+    # What each rank needs: {name: bounds or None (whole)}, gathered so
+    # every rank knows every rank's needs.
+    rule = _shard_rule(shard) if shard is not None else None
+    mine = {}
+    for n in order:
+        spec = rule(n, info[n][1]) if rule else None
+        if spec is None:
+            mine[n] = None
+            continue
+        b = shard_bounds(n, info[n][1], spec)
+        if b[-1][0] == b[-1][1]:
+            raise ValueError(f"tensor {n}: rank {spec[1]} of {spec[2]} gets nothing of dimension {len(b) - 1}")
+        mine[n] = None if all(x == (0, m) for x, m in zip(b, info[n][1])) else [tuple(x) for x in b]
+    needs = [None] * world
+    dist.all_gather_object(needs, mine, group=group)
+
+    # Items: (name, bounds) -> the ranks needing it, in file order; each
+    # read by one of them, the one with the fewest bytes so far.
+    items = []
+    for n in order:
+        by_block = {}
+        for r in range(world):
+            if n in needs[r]:
+                key = None if needs[r][n] is None else tuple(tuple(x) for x in needs[r][n])
+                by_block.setdefault(key, []).append(r)
+        for key, ranks in by_block.items():
+            items.append((n, key, ranks))
+    load = [0] * world
+    plan = []
+    for n, key, ranks in items:
+        nbytes = _block_bytes(info[n], key)
+        reader = min(ranks, key=lambda r: (load[r], r))
+        load[reader] += nbytes
+        plan.append((n, key, ranks, reader, nbytes))
+
+    # Phase 1: what this rank reads (and keeps), in one load.
+    keep_whole = [n for n, key, _, reader, _ in plan if reader == rank and key is None]
+    keep_parts = {n: [tuple(x) for x in key] for n, key, _, reader, _ in plan if reader == rank and key is not None}
+    stats = {"bytes_read": 0, "bytes_sent": 0, "bytes_received": 0, "tensors_read": 0, "rank": rank, "world": world}
+    have = {}
+    failure = None
+    if keep_whole or keep_parts:
+        try:
+            tensors, rep = _native.load(
+                path,
+                dirs=_paths(dirs),
+                mirrors=_paths(mirrors),
+                route=route,
+                direct=direct,
+                only=keep_whole,
+                parts=keep_parts,
+            )
+            import json
+
+            stats["bytes_read"] += json.loads(rep)["bytes"]
+            from ._convert import to_torch
+
+            for name, dtype, shape, payload in tensors:
+                have[name] = to_torch(payload, dtype, shape)
+                stats["tensors_read"] += 1
+        except Exception as e:  # noqa: BLE001 - reported to every rank below
+            failure = f"rank {rank}: reading {_files(info, keep_whole, keep_parts)}: {e}"
+    # Every rank learns at once whether a first-phase read failed.
+    fails = [None] * world
+    dist.all_gather_object(fails, failure, group=group)
+    first = next((f for f in fails if f), None)
+    if first:
+        raise DistributedLoadError(first)
+
+    # Phase 2: the exchange, item by item, in the same order on every rank.
+    # Every item's reader is one of the ranks that need it (it read it in
+    # phase 1 and keeps it), so nothing is read only for others.
+    out = {}
+    for n, key, ranks, reader, nbytes in plan:
+        if rank not in ranks:
+            continue
+        dtype, shape, _, _, _ = info[n]
+        block = shape if key is None else [b - a for a, b in key] + shape[len(key) :]
+        if rank == reader:
+            t = have[n]
+            others = [r for r in ranks if r != rank]
+            if others and nbytes:
+                stats["bytes_sent"] += _send(t, others, ranks, world, rank, group, dist, torch, wire)
+            out[n] = t
+        elif nbytes == 0:
+            out[n] = torch.empty(block, dtype=_torch_dtype(dtype))
+        else:
+            out[n] = _receive(reader, ranks, world, group, dist, torch, wire, dtype, block, nbytes)
+            stats["bytes_received"] += nbytes
+    if device.type != "cpu":
+        out = {k: v.to(device) for k, v in out.items()}
+    stats["seconds"] = time.perf_counter() - t0
+    if report is not None:
+        report.update(stats)
+    return dict(sorted(out.items()))
+
+
+def _block_bytes(entry, key):
+    dtype, shape, nbytes, _, _ = entry
+    if key is None:
+        return nbytes
+    elems = 1
+    for n in shape:
+        elems *= n
+    per = nbytes // elems if elems else 0
+    b = 1
+    for (a, z), n in zip(key, shape):
+        b *= z - a
+    for n in shape[len(key) :]:
+        b *= n
+    return b * per
+
+
+def _files(info, whole, parts):
+    files = sorted({info[n][3] for n in list(whole) + list(parts)})
+    return ", ".join(files) if files else "nothing"
+
+
+def _send(t, others, ranks, world, rank, group, dist, torch, wire):
+    """The reader's side of one item: its bytes to every other rank that
+    needs it (a broadcast when every rank does). Returns the bytes sent."""
+    raw = t.contiguous().reshape(-1).view(torch.uint8).to(wire)
+    me = dist.get_global_rank(group, rank) if group is not None else rank
+    if len(ranks) == world:
+        dist.broadcast(raw, src=me, group=group)
+    else:
+        for r in others:
+            dist.send(raw, dst=dist.get_global_rank(group, r) if group is not None else r, group=group)
+    return raw.numel() * len(others)
+
+
+def _receive(reader, ranks, world, group, dist, torch, wire, dtype, block, nbytes):
+    """A receiver's side of one item: the bytes, into memory of its own
+    (its final tensor), viewed as the tensor."""
+    src = dist.get_global_rank(group, reader) if group is not None else reader
+    raw = torch.empty(nbytes, dtype=torch.uint8, device=wire)
+    if len(ranks) == world:
+        dist.broadcast(raw, src=src, group=group)
+    else:
+        dist.recv(raw, src=src, group=group)
+    return raw.view(_torch_dtype(dtype)).reshape(block)

@@ -1,0 +1,88 @@
+#!/usr/bin/env python3
+"""One rank of benches/distributed.sh: joins its own blkio cgroup (its
+link to the storage), the gloo group, then times one load to a full state
+dict on every rank.
+
+Usage: rank.py ARM MODEL_DIR INIT_FILE RANK WORLD OUT_JSON [CGROUP_DIR]
+
+Arms:
+  ws-dist   weightstream.torch.load_distributed(MODEL_DIR): each rank reads
+            about 1/WORLD of the bytes, the rest arrives over gloo
+  ws-each   weightstream.load(MODEL_DIR) on every rank: every rank reads
+            every byte (what each node does today)
+  runai-dist  runai_model_streamer.SafetensorsStreamer, stream_files(...,
+            is_distributed=True) over the same gloo group, every tensor kept
+
+The clock: a barrier, then the load, then a barrier (so the time is the
+slowest rank's, to every rank holding the whole state dict); every tensor's
+pages are touched before the second barrier. Writes one JSON line.
+"""
+
+import datetime
+import json
+import os
+import resource
+import sys
+import time
+
+
+def main():
+    arm, model, init, rank, world, out = sys.argv[1:7]
+    rank, world = int(rank), int(world)
+    if len(sys.argv) > 7 and sys.argv[7]:
+        with open(os.path.join(sys.argv[7], "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
+    shards = sorted(os.path.join(model, f) for f in os.listdir(model) if f.endswith(".safetensors"))
+    cpu0 = time.process_time()
+    dist.barrier()
+    t0 = time.perf_counter()
+    report = {}
+    if arm == "ws-dist":
+        import weightstream.torch as wt
+
+        sd = wt.load_distributed(model, report=report)
+    elif arm == "ws-each":
+        import weightstream
+
+        sd = weightstream.load(model)
+    elif arm == "runai-dist":
+        from runai_model_streamer import SafetensorsStreamer
+
+        sd = {}
+        with SafetensorsStreamer() as s:
+            s.stream_files(shards, is_distributed=True, device="cpu")
+            for name, t in s.get_tensors():
+                sd[name] = t.clone()
+    else:
+        sys.exit(f"rank.py: unknown arm {arm}")
+    touched = 0
+    for t in sd.values():
+        if t.numel():
+            u = t.reshape(-1).view(torch.uint8)
+            touched += int(u[::4096].sum()) + int(u[-1])
+    dist.barrier()
+    seconds = time.perf_counter() - t0
+    nbytes = sum(t.numel() * t.element_size() for t in sd.values())
+    rec = {
+        "arm": arm,
+        "rank": rank,
+        "world": world,
+        "seconds": seconds,
+        "bytes": nbytes,
+        "tensors": len(sd),
+        "gbps": nbytes / seconds / 1e9,
+        "cpu_seconds": time.process_time() - cpu0,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "report": report,
+    }
+    with open(out, "w") as f:
+        json.dump(rec, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""One rank of a load_distributed test (run by test_distributed.py).
+
+argv: MODEL INIT_FILE RANK WORLD OUT_JSON MODE
+MODE: "all" (every tensor on every rank), "tp2" (tensor parallel 2 inside
+the world: rank r is TP rank r % 2), "fail1" (rank 1's read fails), "die1" (rank 1 exits before the
+exchange).
+Writes {name: [dtype, shape, sha256]} and the report to OUT_JSON, or
+{"error": message} when load_distributed raised.
+"""
+
+import datetime
+import hashlib
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import weightstream
+import weightstream.torch as wt
+
+model, init, rank, world, out, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6]
+dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=20))
+
+shard = None
+if mode == "tp2":
+    tp = rank % 2
+    shard = {"*.q.weight": (0, tp, 2), "*.k.weight": (1, tp, 2)}
+if mode == "fail1" and rank == 1:
+    def broken(*a, **k):
+        raise OSError(f"Input/output error reading {model}/model-00002-of-00003.safetensors (simulated)")
+    weightstream._native.load = broken
+if mode == "die1" and rank == 1:
+    os._exit(3)
+
+report = {}
+try:
+    sd = wt.load_distributed(model, shard=shard, report=report)
+    res = {
+        n: [str(t.dtype), list(t.shape), hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()]
+        for n, t in sd.items()
+    }
+    json.dump({"tensors": res, "report": report}, open(out, "w"))
+except Exception as e:  # noqa: BLE001
+    json.dump({"error": f"{type(e).__name__}: {e}"}, open(out, "w"))
+try:
+    dist.destroy_process_group()
+except Exception:  # noqa: BLE001
+    pass

@@ -1,0 +1,118 @@
+"""Loads shared across the ranks of a gloo group (load_distributed): each
+rank its own process; every rank's tensors equal the reference reader's;
+each rank reads about 1/N of the bytes; a failed read raises on every rank,
+naming the rank and the file; a dead rank makes the others raise."""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import require
+
+CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_child.py")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """Three shards and their index (safetensors.torch): bf16 q [256, 96],
+    f32 k [64, 96], a norm, an empty tensor, a scalar; 6 layers."""
+    torch = require("torch")
+    from safetensors.torch import save_file
+
+    d = tmp_path_factory.mktemp("dist")
+    g = torch.Generator().manual_seed(11)
+    shards, weight_map = [{}, {}, {}], {}
+    for i in range(6):
+        for p, shape, dt in (("q", (256, 96), torch.bfloat16), ("k", (64, 96), torch.float32), ("norm", (96,), torch.float16)):
+            name = f"model.layers.{i}.{p}.weight"
+            shards[i % 3][name] = torch.randn(shape, generator=g).to(dt)
+            weight_map[name] = f"model-{i % 3 + 1:05d}-of-00003.safetensors"
+    shards[0]["extra.empty"] = torch.zeros((0, 4))
+    shards[1]["extra.scalar"] = torch.tensor(3.5, dtype=torch.float64)
+    weight_map["extra.empty"] = "model-00001-of-00003.safetensors"
+    weight_map["extra.scalar"] = "model-00002-of-00003.safetensors"
+    everything = {}
+    for k, s in enumerate(shards):
+        save_file(s, str(d / f"model-{k + 1:05d}-of-00003.safetensors"))
+        everything.update(s)
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return d, everything
+
+
+def digest(t):
+    torch = require("torch")
+    return [str(t.dtype), list(t.shape), hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()]
+
+
+def run(model_dir, world, mode, tmp_path):
+    init = tmp_path / f"init-{mode}-{world}"
+    procs, outs = [], []
+    for r in range(world):
+        out = tmp_path / f"out-{mode}-{world}-{r}.json"
+        outs.append(out)
+        procs.append(subprocess.Popen([sys.executable, CHILD, str(model_dir), str(init), str(r), str(world), str(out), mode]))
+    for p in procs:
+        p.wait(timeout=300)
+    return [json.loads(o.read_text()) if o.exists() else None for o in outs]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_rank_gets_every_tensor_reading_1_over_n(model, tmp_path, world):
+    d, want = model
+    results = run(d, world, "all", tmp_path)
+    expect = {n: digest(t) for n, t in want.items()}
+    total = sum(t.numel() * t.element_size() for t in want.values())
+    largest = max(t.numel() * t.element_size() for t in want.values())
+    read = 0
+    for r, res in enumerate(results):
+        assert res and "error" not in res, (r, res)
+        assert res["tensors"] == expect, r
+        rep = res["report"]
+        assert rep["bytes_read"] <= total / world + largest, (r, rep)
+        read += rep["bytes_read"]
+    assert read == total, "every byte read once, by one rank"
+
+
+def test_tensor_parallel_slices_go_only_to_the_ranks_that_need_them(model, tmp_path):
+    d, want = model
+    results = run(d, 4, "tp2", tmp_path)
+    for r, res in enumerate(results):
+        assert res and "error" not in res, (r, res)
+        tp = r % 2
+        expect = {}
+        for n, t in want.items():
+            if n.endswith("q.weight"):
+                t = t[t.shape[0] * tp // 2 : t.shape[0] * (tp + 1) // 2]
+            elif n.endswith("k.weight"):
+                t = t[:, t.shape[1] * tp // 2 : t.shape[1] * (tp + 1) // 2]
+            expect[n] = digest(t)
+        assert res["tensors"] == expect, r
+    # A slice read by one of its two ranks and sent only to the other: the
+    # bytes the TP ranks read add up to the model's whole tensors once and
+    # each slice once.
+    sliced = sum(t.numel() * t.element_size() for n, t in want.items() if n.endswith(("q.weight", "k.weight")))
+    whole = sum(t.numel() * t.element_size() for n, t in want.items() if not n.endswith(("q.weight", "k.weight")))
+    assert sum(res["report"]["bytes_read"] for res in results) == whole + sliced
+    sent = sum(res["report"]["bytes_sent"] for res in results)
+    received = sum(res["report"]["bytes_received"] for res in results)
+    assert sent == received == 3 * whole + sliced
+
+
+def test_a_failed_read_raises_on_every_rank_naming_the_rank_and_the_file(model, tmp_path):
+    d, _ = model
+    results = run(d, 3, "fail1", tmp_path)
+    for r, res in enumerate(results):
+        assert res and "error" in res, (r, res)
+        assert "DistributedLoadError" in res["error"] and "rank 1" in res["error"], res["error"]
+        assert "model-00002-of-00003.safetensors" in res["error"], res["error"]
+
+
+def test_a_dead_rank_makes_the_others_raise_not_hang(model, tmp_path):
+    d, _ = model
+    results = run(d, 2, "die1", tmp_path)
+    assert results[1] is None
+    assert results[0] and "error" in results[0], results[0]
