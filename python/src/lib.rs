@@ -678,34 +678,66 @@ fn load(
 /// Fields drop in order: reads not handed out yet first, then the engine.
 #[pyclass(module = "weightstream._native")]
 struct Stream {
-    pending: std::collections::VecDeque<(ws::TensorRef, Option<ws::Ticket>)>,
+    /// Reads in flight: the tensor (or slice) and its ticket (`None`: no
+    /// bytes, or its submission failed: the error is handed out in order).
+    pending: std::collections::VecDeque<(Meta, ws::Result<Option<ws::SliceTicket>>)>,
     engine: ws::Engine,
-    todo: std::collections::VecDeque<ws::TensorRef>,
+    todo: std::collections::VecDeque<Todo>,
     window: usize,
     _model: ws::Model,
 }
 
+/// An item asked of a stream: a tensor's name, and a range per leading
+/// dimension for a slice (`None`: the whole tensor).
+type StreamItem = (String, Option<Vec<(usize, usize)>>);
+
+/// What a stream hands out for one item: name, dtype, shape.
+type Meta = (String, String, Vec<usize>);
+
+/// One item of a stream: a whole tensor, or a slice of it.
+enum Todo {
+    Whole(ws::TensorRef),
+    Slice(ws::TensorSlice),
+}
+
 impl Stream {
-    fn fill(&mut self) -> ws::Result<()> {
+    /// Starts reads until `window` are in flight, each into memory of its
+    /// own. A read that cannot start is handed out as its error in turn.
+    fn fill(&mut self) {
         while self.pending.len() < self.window {
-            let Some(t) = self.todo.pop_front() else { break };
-            let ticket = if t.len == 0 {
-                None
-            } else {
-                let arena = self.engine.packed_arena_for(&[&t], 1, false)?;
-                let slot = arena.take_for(&t)?;
-                Some(self.engine.read(&t, slot)?)
+            let Some(item) = self.todo.pop_front() else { break };
+            let (meta, ticket) = match item {
+                Todo::Whole(t) => {
+                    let meta = (t.name.clone(), t.dtype.name().to_string(), t.shape.clone());
+                    let ticket = (|| -> ws::Result<_> {
+                        if t.len == 0 {
+                            return Ok(None);
+                        }
+                        let arena = self.engine.packed_arena_for(&[&t], 1, false)?;
+                        let slot = arena.take_for(&t)?;
+                        Ok(Some(self.engine.read(&t, slot)?.into()))
+                    })();
+                    (meta, ticket)
+                }
+                Todo::Slice(s) => {
+                    let meta = (s.tensor().name.clone(), s.dtype().name().to_string(), s.shape().to_vec());
+                    let ticket = (|| -> ws::Result<_> {
+                        let align = self.engine.direct_align();
+                        let memory = self.engine.packed_arena(slice_room(&s, align), false)?;
+                        Ok(Some(self.engine.read_slice(&s, &memory, slice_offset(&s, 0, align), ws::Scratch::Before)?))
+                    })();
+                    (meta, ticket)
+                }
             };
-            self.pending.push_back((t, ticket));
+            self.pending.push_back((meta, ticket));
         }
-        Ok(())
     }
 }
 
 #[pymethods]
 impl Stream {
     #[new]
-    #[pyo3(signature = (path, dirs=None, mirrors=None, route=None, direct=None, names=None, window=8))]
+    #[pyo3(signature = (path, dirs=None, mirrors=None, route=None, direct=None, names=None, window=8, items=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -716,9 +748,31 @@ impl Stream {
         direct: Option<&str>,
         names: Option<Vec<String>>,
         window: usize,
+        items: Option<Vec<StreamItem>>,
     ) -> PyResult<Self> {
         let config = layout(path, dirs, mirrors, route, direct)?;
         let (model, engine) = open(py, config)?;
+        if let Some(items) = items {
+            // These items, in this order: whole tensors, or slices.
+            let mut todo = std::collections::VecDeque::with_capacity(items.len());
+            for (name, bounds) in items {
+                let t = model.tensor(&name).map_err(to_py)?;
+                todo.push_back(match bounds {
+                    None => Todo::Whole(t.clone()),
+                    Some(b) => {
+                        let r: Vec<std::ops::Range<usize>> = b.iter().map(|&(a, z)| a..z).collect();
+                        Todo::Slice(t.slice(&r).map_err(|e| PyValueError::new_err(e.to_string()))?)
+                    }
+                });
+            }
+            return Ok(Stream {
+                pending: Default::default(),
+                engine,
+                todo,
+                window: window.clamp(1, 1024),
+                _model: model,
+            });
+        }
         let all = model.catalog().tensors();
         let names = names.unwrap_or_default();
         for n in &names {
@@ -729,7 +783,7 @@ impl Stream {
         let todo = all
             .iter()
             .filter(|t| names.is_empty() || names.iter().any(|n| t.name.contains(n.as_str())))
-            .cloned()
+            .map(|t| Todo::Whole(t.clone()))
             .collect();
         Ok(Stream {
             pending: Default::default(),
@@ -744,24 +798,23 @@ impl Stream {
         slf
     }
 
+    /// The next item as it lands; a read that failed raises its error in
+    /// turn (the stream goes on with the next item after it).
     fn __next__(&mut self, py: Python<'_>) -> PyResult<Option<Item>> {
         py.check_signals()?;
-        self.fill().map_err(to_py)?;
-        let Some((t, ticket)) = self.pending.pop_front() else {
+        self.fill();
+        let Some(((name, dtype, shape), ticket)) = self.pending.pop_front() else {
             return Ok(None);
         };
-        let bytes = match ticket {
-            None => Bytes::Empty,
-            Some(ticket) => Bytes::Loaded(py.detach(|| ticket.wait()).map_err(to_py)?),
-        };
         // The next reads start before Python works on this one.
-        self.fill().map_err(to_py)?;
-        Ok(Some((
-            t.name.clone(),
-            t.dtype.name().to_string(),
-            t.shape.clone(),
-            Payload { bytes: Arc::new(bytes) },
-        )))
+        let waited = match ticket {
+            Ok(None) => Ok(Bytes::Empty),
+            Ok(Some(ticket)) => py.detach(|| ticket.wait()).map(Bytes::Loaded),
+            Err(e) => Err(e),
+        };
+        self.fill();
+        let bytes = waited.map_err(to_py)?;
+        Ok(Some((name, dtype, shape, Payload { bytes: Arc::new(bytes) })))
     }
 }
 

@@ -28,9 +28,26 @@ if mode == "tp2":
     tp = rank % 2
     shard = {"*.q.weight": (0, tp, 2), "*.k.weight": (1, tp, 2)}
 if mode == "fail1" and rank == 1:
-    def broken(*a, **k):
-        raise OSError(f"Input/output error reading {model}/model-00002-of-00003.safetensors (simulated)")
-    weightstream._native.load = broken
+    # Rank 1's second read fails as a drive error would (the library's
+    # errors name the file; this one is raised in its place).
+    real = weightstream._native.Stream
+
+    class Broken:
+        def __init__(self, *a, **k):
+            self.inner = iter(real(*a, **k))
+            self.n = 0
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            self.n += 1
+            item = next(self.inner)
+            if self.n == 2:
+                raise OSError("Input/output error (os error 5) (simulated)")
+            return item
+
+    weightstream._native.Stream = Broken
 if mode == "die1" and rank == 1:
     os._exit(3)
 

@@ -14,6 +14,10 @@ def load_file(filename, device="cpu"):
     return _load(filename, framework="pt")
 
 
+# Reads a rank keeps in flight ahead of the exchange.
+WINDOW = 16
+
+
 class DistributedLoadError(RuntimeError):
     """A rank could not read its part: raised on every rank, naming the rank
     that failed and the file."""
@@ -52,14 +56,19 @@ def load_distributed(
     moves CUDA tensors (``device`` must then be a CUDA device). The bytes
     are sent as uint8, so every dtype travels (bf16, float8).
 
-    Memory: a rank's final tensors and nothing sized to the model. Every
-    tensor or slice is read by one of the ranks that need it, which keeps
-    it; a receiver's bytes land in the tensor it keeps.
+    The reads and the exchange overlap: each rank streams its items in the
+    exchange's order (16 reads in flight) and sends each as soon as the
+    exchange reaches it.
 
-    Errors: the reads come first, on every rank; a rank whose read failed
-    tells the others, and every rank raises ``DistributedLoadError``
-    naming the rank and the file before anything is exchanged. A rank that
-    dies makes the others raise when the group's timeout expires.
+    Memory: a rank's final tensors, and nothing sized to the model. Every
+    tensor or slice is read by one of the ranks that need it, into memory
+    the tensor keeps; a receiver's bytes land in the tensor it keeps.
+
+    Errors: a rank whose read fails sends a failure in place of that tensor
+    (and of the rest it was to read), the exchange runs to its end, and
+    then every rank raises ``DistributedLoadError`` naming the rank and the
+    file. A rank that dies makes the others raise when the group's timeout
+    expires.
 
     ``report``: a dict, filled with this rank's ``bytes_read`` (the
     payload bytes it read from the drives), ``bytes_sent``,
@@ -124,60 +133,61 @@ def load_distributed(
         load[reader] += nbytes
         plan.append((n, key, ranks, reader, nbytes))
 
-    # Phase 1: what this rank reads (and keeps), in one load.
-    keep_whole = [n for n, key, _, reader, _ in plan if reader == rank and key is None]
-    keep_parts = {n: [tuple(x) for x in key] for n, key, _, reader, _ in plan if reader == rank and key is not None}
+    # The reads and the exchange overlap: this rank's items stream in plan
+    # order (WINDOW reads in flight, each into memory of its own, which the
+    # tensor keeps), and each is sent as soon as the exchange reaches it,
+    # while the rank's later reads (and every other rank's) go on.
     stats = {"bytes_read": 0, "bytes_sent": 0, "bytes_received": 0, "tensors_read": 0, "rank": rank, "world": world}
-    have = {}
+    mine = [(n, None if key is None else [tuple(x) for x in key]) for n, key, _, reader, _ in plan if reader == rank]
     failure = None
-    if keep_whole or keep_parts:
+    stream = None
+    if mine:
         try:
-            tensors, rep = _native.load(
-                path,
-                dirs=_paths(dirs),
-                mirrors=_paths(mirrors),
-                route=route,
-                direct=direct,
-                only=keep_whole,
-                parts=keep_parts,
+            stream = iter(
+                _native.Stream(path, dirs=_paths(dirs), mirrors=_paths(mirrors), route=route, direct=direct, window=WINDOW, items=mine)
             )
-            import json
+        except Exception as e:  # noqa: BLE001 - sent to the others, raised at the end
+            failure = ("own", f"rank {rank}: opening {path}: {e}")
+    from ._convert import to_torch
 
-            stats["bytes_read"] += json.loads(rep)["bytes"]
-            from ._convert import to_torch
-
-            for name, dtype, shape, payload in tensors:
-                have[name] = to_torch(payload, dtype, shape)
-                stats["tensors_read"] += 1
-        except Exception as e:  # noqa: BLE001 - reported to every rank below
-            failure = f"rank {rank}: reading {_files(info, keep_whole, keep_parts)}: {e}"
-    # Every rank learns at once whether a first-phase read failed.
-    fails = [None] * world
-    dist.all_gather_object(fails, failure, group=group)
-    first = next((f for f in fails if f), None)
-    if first:
-        raise DistributedLoadError(first)
-
-    # Phase 2: the exchange, item by item, in the same order on every rank.
-    # Every item's reader is one of the ranks that need it (it read it in
-    # phase 1 and keeps it), so nothing is read only for others.
     out = {}
+    status = torch.zeros(1, dtype=torch.int64, device=wire)
     for n, key, ranks, reader, nbytes in plan:
         if rank not in ranks:
             continue
-        dtype, shape, _, _, _ = info[n]
+        dtype, shape, _, file, _ = info[n]
         block = shape if key is None else [b - a for a, b in key] + shape[len(key) :]
+        others = [r for r in ranks if r != rank]
         if rank == reader:
-            t = have[n]
-            others = [r for r in ranks if r != rank]
+            t = None
+            if failure is None:
+                try:
+                    name, dt, shp, payload = next(stream)
+                    assert name == n, f"the stream handed {name} for {n}"
+                    t = to_torch(payload, dt, shp)
+                    stats["tensors_read"] += 1
+                    stats["bytes_read"] += nbytes
+                except Exception as e:  # noqa: BLE001 - sent to the others, raised at the end
+                    failure = ("own", f"rank {rank}: reading {n} from {file}: {e}")
             if others and nbytes:
-                stats["bytes_sent"] += _send(t, others, ranks, world, rank, group, dist, torch, wire)
-            out[n] = t
+                stats["bytes_sent"] += _send(t, others, ranks, world, rank, group, dist, torch, wire, status)
+            if t is not None:
+                out[n] = t
         elif nbytes == 0:
             out[n] = torch.empty(block, dtype=_torch_dtype(dtype))
         else:
-            out[n] = _receive(reader, ranks, world, group, dist, torch, wire, dtype, block, nbytes)
-            stats["bytes_received"] += nbytes
+            t = _receive(reader, ranks, world, group, dist, torch, wire, status, dtype, block, nbytes)
+            if t is None:
+                failure = failure or ("heard", f"rank {reader}: reading {n} from {file} failed")
+            else:
+                out[n] = t
+                stats["bytes_received"] += nbytes
+    fails = [None] * world
+    dist.all_gather_object(fails, failure, group=group)
+    if any(fails):
+        # The failing rank's own message (with its cause) where there is one.
+        kind, msg = next((f for f in fails if f and f[0] == "own"), next(f for f in fails if f))
+        raise DistributedLoadError(msg)
     if device.type != "cpu":
         out = {k: v.to(device) for k, v in out.items()}
     stats["seconds"] = time.perf_counter() - t0
@@ -202,28 +212,37 @@ def _block_bytes(entry, key):
     return b * per
 
 
-def _files(info, whole, parts):
-    files = sorted({info[n][3] for n in list(whole) + list(parts)})
-    return ", ".join(files) if files else "nothing"
-
-
-def _send(t, others, ranks, world, rank, group, dist, torch, wire):
-    """The reader's side of one item: its bytes to every other rank that
+def _send(t, others, ranks, world, rank, group, dist, torch, wire, status):
+    """The reader's side of one item: a status (0: the bytes follow; 1: the
+    read failed, nothing follows), then the bytes, to every other rank that
     needs it (a broadcast when every rank does). Returns the bytes sent."""
-    raw = t.contiguous().reshape(-1).view(torch.uint8).to(wire)
     me = dist.get_global_rank(group, rank) if group is not None else rank
+    status.fill_(0 if t is not None else 1)
+    raw = None if t is None else t.contiguous().reshape(-1).view(torch.uint8).to(wire)
     if len(ranks) == world:
-        dist.broadcast(raw, src=me, group=group)
+        dist.broadcast(status, src=me, group=group)
+        if raw is not None:
+            dist.broadcast(raw, src=me, group=group)
     else:
         for r in others:
-            dist.send(raw, dst=dist.get_global_rank(group, r) if group is not None else r, group=group)
-    return raw.numel() * len(others)
+            dst = dist.get_global_rank(group, r) if group is not None else r
+            dist.send(status, dst=dst, group=group)
+            if raw is not None:
+                dist.send(raw, dst=dst, group=group)
+    return 0 if raw is None else raw.numel() * len(others)
 
 
-def _receive(reader, ranks, world, group, dist, torch, wire, dtype, block, nbytes):
-    """A receiver's side of one item: the bytes, into memory of its own
-    (its final tensor), viewed as the tensor."""
+def _receive(reader, ranks, world, group, dist, torch, wire, status, dtype, block, nbytes):
+    """A receiver's side of one item: the status, then the bytes, into
+    memory of its own (its final tensor), viewed as the tensor; None when
+    the reader's read failed."""
     src = dist.get_global_rank(group, reader) if group is not None else reader
+    if len(ranks) == world:
+        dist.broadcast(status, src=src, group=group)
+    else:
+        dist.recv(status, src=src, group=group)
+    if int(status.item()) != 0:
+        return None
     raw = torch.empty(nbytes, dtype=torch.uint8, device=wire)
     if len(ranks) == world:
         dist.broadcast(raw, src=src, group=group)
