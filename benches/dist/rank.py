@@ -11,7 +11,8 @@ Arms:
   ws-each   weightstream.load(MODEL_DIR) on every rank: every rank reads
             every byte (what each node does today)
   runai-dist  runai_model_streamer.SafetensorsStreamer, stream_files(...,
-            is_distributed=True) over the same gloo group, every tensor kept
+            is_distributed=True) over the same gloo group (RUNAI_STREAMER_DIST=1:
+            its gloo mode), every tensor kept (cloned: its buffers are reused)
 
 The clock: a barrier, then the load, then a barrier (so the time is the
 slowest rank's, to every rank holding the whole state dict); every tensor's
@@ -50,6 +51,9 @@ def main():
 
         sd = weightstream.load(model)
     elif arm == "runai-dist":
+        # Its distributed mode runs over gloo only when asked (by default
+        # only NCCL groups distribute).
+        os.environ["RUNAI_STREAMER_DIST"] = "1"
         from runai_model_streamer import SafetensorsStreamer
 
         sd = {}

@@ -713,7 +713,9 @@ impl Stream {
                         if t.len == 0 {
                             return Ok(None);
                         }
-                        let arena = self.engine.packed_arena_for(&[&t], 1, false)?;
+                        // Exactly the tensor's blocks: the arena is
+                        // registered (pinned), so its every page counts.
+                        let arena = self.engine.packed_arena(self.engine.placement_bytes(&[&t])?, false)?;
                         let slot = arena.take_for(&t)?;
                         Ok(Some(self.engine.read(&t, slot)?.into()))
                     })();
