@@ -767,13 +767,17 @@ impl Stream {
                     }
                 });
             }
-            return Ok(Stream {
+            let mut stream = Stream {
                 pending: Default::default(),
                 engine,
                 todo,
                 window: window.clamp(1, 1024),
                 _model: model,
-            });
+            };
+            // The reads start now, not at the first `next`: a caller busy
+            // with other work meanwhile (an exchange) finds them landed.
+            stream.fill();
+            return Ok(stream);
         }
         let all = model.catalog().tensors();
         let names = names.unwrap_or_default();
@@ -787,13 +791,15 @@ impl Stream {
             .filter(|t| names.is_empty() || names.iter().any(|n| t.name.contains(n.as_str())))
             .map(|t| Todo::Whole(t.clone()))
             .collect();
-        Ok(Stream {
+        let mut stream = Stream {
             pending: Default::default(),
             engine,
             todo,
             window: window.clamp(1, 1024),
             _model: model,
-        })
+        };
+        stream.fill();
+        Ok(stream)
     }
 
     fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {

@@ -56,9 +56,10 @@ def load_distributed(
     moves CUDA tensors (``device`` must then be a CUDA device). The bytes
     are sent as uint8, so every dtype travels (bf16, float8).
 
-    The reads and the exchange overlap: each rank streams its items in the
-    exchange's order (16 reads in flight) and sends each as soon as the
-    exchange reaches it.
+    The reads and the exchange overlap: each rank streams its items in
+    file order (16 reads in flight), and the exchange takes the ranks'
+    items interleaved by when each lands (the bytes its reader reads before
+    it), sending each as soon as it is there.
 
     Memory: a rank's final tensors, and nothing sized to the model. Every
     tensor or slice is read by one of the ranks that need it, into memory
@@ -130,8 +131,12 @@ def load_distributed(
     for n, key, ranks in items:
         nbytes = _block_bytes(info[n], key)
         reader = min(ranks, key=lambda r: (load[r], r))
+        # When the item lands on its reader (the bytes it reads before it):
+        # the exchange takes items in that order, so every rank's reads
+        # feed it at once instead of one rank's after another's.
+        plan.append((load[reader], n, key, ranks, reader, nbytes))
         load[reader] += nbytes
-        plan.append((n, key, ranks, reader, nbytes))
+    plan = [p[1:] for p in sorted(plan, key=lambda p: (p[0], p[4]))]
 
     # The reads and the exchange overlap: this rank's items stream in plan
     # order (WINDOW reads in flight, each into memory of its own, which the
