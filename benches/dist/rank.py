@@ -54,6 +54,10 @@ def main():
         # Its distributed mode runs over gloo only when asked (by default
         # only NCCL groups distribute).
         os.environ["RUNAI_STREAMER_DIST"] = "1"
+        import logging
+
+        # Its own log says whether it distributed (kept in the record).
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr)
         from runai_model_streamer import SafetensorsStreamer
 
         sd = {}

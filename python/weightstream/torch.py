@@ -41,10 +41,10 @@ def load_distributed(
     the rest from the ranks that read it.
 
     - Without ``shard``, every rank ends with every tensor. The tensors are
-      split over the ranks by bytes, in file order (so ranks whose files
-      are on different drives read different drives); each rank reads its
-      part with weightstream, then each tensor is broadcast from the rank
-      that read it.
+      split over the ranks by bytes (largest first, each to the rank with
+      the fewest bytes so far: no rank reads more than its share plus one
+      tensor); each rank reads its part with weightstream, and each tensor
+      is broadcast from the rank that read it.
     - With ``shard`` (as ``weightstream.load``'s: a rule table or a
       function, evaluated on each rank for that rank), each rank ends with
       its own slices and the whole of every tensor no rule slices. A slice
@@ -126,30 +126,38 @@ def load_distributed(
                 by_block.setdefault(key, []).append(r)
         for key, ranks in by_block.items():
             items.append((n, key, ranks))
+    # Largest first, each to the least-loaded rank that needs it (the
+    # busiest rank reads at most its share plus one item); ties by file
+    # order, then rank.
     load = [0] * world
-    plan = []
-    for n, key, ranks in items:
-        nbytes = _block_bytes(info[n], key)
+    assigned = []
+    sized = [(i, n, key, ranks, _block_bytes(info[n], key)) for i, (n, key, ranks) in enumerate(items)]
+    for i, n, key, ranks, nbytes in sorted(sized, key=lambda x: (-x[4], x[0])):
         reader = min(ranks, key=lambda r: (load[r], r))
-        # When the item lands on its reader (the bytes it reads before it):
-        # the exchange takes items in that order, so every rank's reads
-        # feed it at once instead of one rank's after another's.
-        plan.append((load[reader], n, key, ranks, reader, nbytes))
         load[reader] += nbytes
-    plan = [p[1:] for p in sorted(plan, key=lambda p: (p[0], p[4]))]
+        assigned.append((i, n, key, ranks, reader, nbytes))
+    # Each rank reads its items in file order; the exchange takes them
+    # interleaved by when each lands on its reader (the bytes it reads
+    # before it), so every rank's reads feed it at once.
+    landed = [0] * world
+    plan = []
+    for i, n, key, ranks, reader, nbytes in sorted(assigned):
+        plan.append((landed[reader], i, n, key, ranks, reader, nbytes))
+        landed[reader] += nbytes
+    plan = [p[2:] for p in sorted(plan, key=lambda p: (p[0], p[1]))]
 
     # The reads and the exchange overlap: this rank's items stream in plan
     # order (WINDOW reads in flight, each into memory of its own, which the
     # tensor keeps), and each is sent as soon as the exchange reaches it,
     # while the rank's later reads (and every other rank's) go on.
     stats = {"bytes_read": 0, "bytes_sent": 0, "bytes_received": 0, "tensors_read": 0, "rank": rank, "world": world}
-    mine = [(n, None if key is None else [tuple(x) for x in key]) for n, key, _, reader, _ in plan if reader == rank]
+    my_items = [(n, None if key is None else [tuple(x) for x in key]) for n, key, _, reader, _ in plan if reader == rank]
     failure = None
     stream = None
-    if mine:
+    if my_items:
         try:
             stream = iter(
-                _native.Stream(path, dirs=_paths(dirs), mirrors=_paths(mirrors), route=route, direct=direct, window=WINDOW, items=mine)
+                _native.Stream(path, dirs=_paths(dirs), mirrors=_paths(mirrors), route=route, direct=direct, window=WINDOW, items=my_items)
             )
         except Exception as e:  # noqa: BLE001 - sent to the others, raised at the end
             failure = ("own", f"rank {rank}: opening {path}: {e}")
