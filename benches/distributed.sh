@@ -8,10 +8,11 @@
 # Usage (root): benches/distributed.sh [OUT_DIR]
 # Environment: ROUNDS (default 3), MBPS (per rank, default 200), SIZE
 # (model bytes, default 0.8e9), WORLDS (default "1 2 4"), KIND (memloop),
-# ARMS (default "ws-dist ws-each runai-dist"), WS_PEERS_VENV.
+# ARMS (default "ws-dist ws-each runai-dist gloo-floor"), WS_PEERS_VENV.
 #
-# Per round, cold cache, interleaved: ws-dist with each world size; ws-each
-# and runai-dist with the largest. Each run's time is its ranks' (a barrier
+# Per round, cold cache, interleaved: ws-dist and gloo-floor (the exchange
+# alone, no reads) with each world size; ws-each and runai-dist with the
+# largest. Each run's time is its ranks' (a barrier
 # before and after: the slowest rank, to a full state dict on every rank).
 # Writes OUT/runs.jsonl (one line per rank per run), OUT/table.md and
 # OUT/time.svg (median seconds per arm and world).
@@ -25,7 +26,7 @@ mbps=${MBPS:-200}
 size=${SIZE:-0.8e9}
 kind=${KIND:-memloop}
 read -r -a worlds <<< "${WORLDS:-1 2 4}"
-read -r -a arms <<< "${ARMS:-ws-dist ws-each runai-dist}"
+read -r -a arms <<< "${ARMS:-ws-dist ws-each runai-dist gloo-floor}"
 out=${1:-docs/benchmarks/$(date +%F)-distributed}
 if [ "$(id -u)" != 0 ]; then echo "distributed: SKIP: needs root (simdrives, cgroups, drop_caches)"; exit 0; fi
 [ -d /sys/fs/cgroup/blkio ] || { echo "distributed: needs the cgroup v1 blkio controller" >&2; exit 1; }
@@ -100,7 +101,7 @@ run() { # arm world round
 for r in $(seq 1 "$rounds"); do
     for arm in "${arms[@]}"; do
         case $arm in
-            ws-dist) for w in "${worlds[@]}"; do run ws-dist "$w" "$r"; done ;;
+            ws-dist|gloo-floor) for w in "${worlds[@]}"; do [ "$arm" = gloo-floor ] && [ "$w" = 1 ] && continue; run "$arm" "$w" "$r"; done ;;
             *) run "$arm" "$max" "$r" ;;
         esac
     done

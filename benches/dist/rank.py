@@ -14,6 +14,9 @@ Arms:
             is_distributed=True) over the same gloo group (RUNAI_STREAMER_DIST=1:
             its gloo mode), every tensor kept (cloned: its buffers are reused)
 
+  gloo-floor  no reads: every tensor's bytes broadcast over the group from
+            rank i % world (the exchange alone: the floor under ws-dist)
+
 The clock: a barrier, then the load, then a barrier (so the time is the
 slowest rank's, to every rank holding the whole state dict); every tensor's
 pages are touched before the second barrier. Writes one JSON line.
@@ -65,6 +68,19 @@ def main():
             s.stream_files(shards, is_distributed=True, device="cpu")
             for name, t in s.get_tensors():
                 sd[name] = t.clone()
+    elif arm == "gloo-floor":
+        # No reads: the exchange alone. Every tensor (its bytes, from the
+        # catalog) broadcast from rank i % world, as load_distributed's
+        # exchange moves them: the floor this machine puts under any
+        # shared load over gloo.
+        import weightstream
+
+        sd = {}
+        for i, (name, _dtype, _shape, nbytes, _file, _off) in enumerate(weightstream._native.catalog(model)):
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+            if nbytes:
+                dist.broadcast(buf, src=i % world)
+            sd[name] = buf
     else:
         sys.exit(f"rank.py: unknown arm {arm}")
     touched = 0
