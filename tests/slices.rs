@@ -292,3 +292,47 @@ fn misuse_is_an_error_and_writes_nothing() {
     let err = t.slice(&[0..13]).unwrap_err().to_string();
     assert!(err.contains("wide.w2") && err.contains("dimension 0"), "{err}");
 }
+
+/// A slice of many pieces polled as a future: its waker is woken once
+/// every piece has landed, never at a piece before the last (the C ABI's
+/// eventfd rests on this), and the poll after the wake is ready.
+#[test]
+fn a_slice_wakes_its_waker_only_when_every_piece_landed() {
+    use std::future::Future;
+    use std::sync::mpsc;
+    use std::task::{Context, Poll, Wake, Waker};
+
+    struct Signal(std::sync::Mutex<mpsc::Sender<()>>);
+    impl Wake for Signal {
+        fn wake(self: std::sync::Arc<Self>) {
+            let _ = self.0.lock().unwrap().send(());
+        }
+    }
+    let tmp = common::tempdir();
+    let (model, data) = own_model(&tmp.path().join("m"));
+    for backend in common::engine_backend_choices() {
+        let e = engine(&model, backend);
+        let arena = e.packed_arena(8 << 20, false).unwrap();
+        let t = model.tensor("wide.w4").unwrap();
+        for rank in 0..4 {
+            let bounds = [0..6, 16384 * rank..16384 * (rank + 1)];
+            let s = t.slice(&bounds).unwrap();
+            let mut ticket = e.read_slice(&s, &arena, 0, Scratch::Before).unwrap();
+            assert_eq!(ticket.pieces(), 6, "one piece a row");
+            let (tx, rx) = mpsc::channel();
+            let waker = Waker::from(std::sync::Arc::new(Signal(std::sync::Mutex::new(tx))));
+            let mut cx = Context::from_waker(&waker);
+            let l = match std::pin::Pin::new(&mut ticket).poll(&mut cx) {
+                Poll::Ready(r) => r.unwrap(),
+                Poll::Pending => {
+                    rx.recv().unwrap();
+                    match std::pin::Pin::new(&mut ticket).poll(&mut cx) {
+                        Poll::Ready(r) => r.unwrap(),
+                        Poll::Pending => panic!("{backend:?}: woken before the last piece landed"),
+                    }
+                }
+            };
+            assert!(l[..] == naive(t, whole(&model, &data, t), &bounds)[..]);
+        }
+    }
+}

@@ -13,8 +13,8 @@ use std::collections::VecDeque;
 use std::future::Future;
 use std::ops::Range;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::task::{Context, Poll};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
 use crate::engine::lend::Scratch;
@@ -246,34 +246,78 @@ impl From<Ticket> for SliceTicket {
 
 impl Future for SliceTicket {
     type Output = Result<Loaded>;
-    /// Polls the first piece still in flight (the waker is registered on
-    /// it), copying every landed piece before it.
+    /// Polls every piece still in flight, copying each one that landed;
+    /// the waker is woken once, when every piece pending at this poll has
+    /// landed (not at each piece: an event loop waiting on it, such as the
+    /// C ABI's eventfd, wakes only when the slice is done).
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let p = match &mut self.get_mut().inner {
             Inner::One(t) => return Pin::new(t).poll(cx),
             Inner::Pieces(p) => p,
         };
         loop {
-            let Some(front) = p.parts.front_mut() else {
-                return Poll::Ready(match p.dest.take() {
-                    Some(dest) => Ok(Loaded::new(dest, 0, p.len, p.meta.clone())),
-                    None => Err(Error::Config("slice ticket polled after it completed".into())),
-                });
-            };
-            match Pin::new(&mut front.ticket).poll(cx) {
-                Poll::Ready(Ok(staged)) => {
-                    let part = p.parts.pop_front().expect("the front piece");
-                    p.copy(part.runs, part.from, &staged);
-                }
-                Poll::Ready(Err(e)) => {
-                    // The rest settle into staging as they drop; the
-                    // caller's bytes are released.
-                    p.parts.clear();
-                    p.dest = None;
-                    return Poll::Ready(Err(e));
-                }
-                Poll::Pending => return Poll::Pending,
+            if p.dest.is_none() {
+                return Poll::Ready(Err(Error::Config("slice ticket polled after it completed".into())));
             }
+            let all = std::sync::Arc::new(AllLanded {
+                remaining: AtomicUsize::new(ARMING),
+                waker: cx.waker().clone(),
+            });
+            let waker = Waker::from(std::sync::Arc::clone(&all));
+            let mut inner_cx = Context::from_waker(&waker);
+            let mut pending = 0usize;
+            let mut i = 0;
+            while i < p.parts.len() {
+                match Pin::new(&mut p.parts[i].ticket).poll(&mut inner_cx) {
+                    Poll::Ready(Ok(staged)) => {
+                        let part = p.parts.remove(i).expect("a piece at i");
+                        p.copy(part.runs, part.from, &staged);
+                    }
+                    Poll::Ready(Err(e)) => {
+                        // The rest settle into staging as they drop; the
+                        // caller's bytes are released.
+                        p.parts.clear();
+                        p.dest = None;
+                        return Poll::Ready(Err(e));
+                    }
+                    Poll::Pending => {
+                        pending += 1;
+                        i += 1;
+                    }
+                }
+            }
+            if pending == 0 {
+                let dest = p.dest.take().expect("checked above");
+                return Poll::Ready(Ok(Loaded::new(dest, 0, p.len, p.meta.clone())));
+            }
+            // Armed: the count becomes the pieces pending, less those that
+            // already woke it. All of them already did: poll again.
+            let before = all.remaining.fetch_sub(ARMING - pending, Ordering::AcqRel);
+            if before - (ARMING - pending) > 0 {
+                return Poll::Pending;
+            }
+        }
+    }
+}
+
+/// The count an [`AllLanded`] starts from before it knows how many pieces
+/// it waits for (wakes before arming count down from it).
+const ARMING: usize = usize::MAX / 2;
+
+/// A waker for a slice's pieces: wakes the slice's waker when the last of
+/// the pieces it was registered on has landed.
+struct AllLanded {
+    remaining: AtomicUsize,
+    waker: Waker,
+}
+
+impl Wake for AllLanded {
+    fn wake(self: std::sync::Arc<Self>) {
+        self.wake_by_ref();
+    }
+    fn wake_by_ref(self: &std::sync::Arc<Self>) {
+        if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.waker.wake_by_ref();
         }
     }
 }

@@ -451,6 +451,21 @@ static void test_slices(ws_model m, ws_engine e) {
     EXPECT(ws_read_slice(e, mh, t.index, all, 2, len - 10, WS_SCRATCH_NONE, 0, &tk), WS_ERR_TOO_SMALL);
     EXPECT(ws_read_slice(e, mh, t.index, all, 2, 0, WS_SCRATCH_NONE, WS_READ_IN_PLACE, &tk), WS_ERR_INVALID);
     EXPECT(ws_read_slice(e, mh, n + 1, all, 2, 0, WS_SCRATCH_NONE, 0, &tk), WS_ERR_NOT_FOUND);
+    /* A slice of many pieces through an eventfd: written once the last
+     * piece landed, and the poll after it is done. */
+    {
+        int efd = eventfd(0, EFD_CLOEXEC);
+        ws_range half[2] = {{0, rows}, {cols / 2, cols}};
+        ws_ticket nt;
+        EXPECT(ws_read_slice(e, mh, t.index, half, 2, 0, WS_SCRATCH_NONE, 0, &nt), WS_OK);
+        EXPECT(ws_ticket_notify(nt, efd), WS_OK);
+        struct pollfd pfd = {.fd = efd, .events = POLLIN};
+        CHECK(poll(&pfd, 1, 60000) == 1, "the eventfd became readable");
+        ws_read_result res;
+        EXPECT(ws_ticket_poll(nt, &res), WS_OK);
+        CHECK(res.bytes == rows * (half[1].end - half[1].start) * elem, "the whole slice");
+        close(efd);
+    }
     /* Held bytes are busy; a freed ticket's bytes are free again. */
     ws_ticket held;
     EXPECT(ws_read_slice(e, mh, t.index, all, 2, 0, WS_SCRATCH_NONE, WS_READ_HOLD, &held), WS_OK);
