@@ -466,7 +466,9 @@ fn slice_offset(slice: &ws::TensorSlice, cursor: usize, align: usize) -> usize {
 
 /// Bytes a slice needs in packed memory placed by [`slice_offset`], at most.
 fn slice_room(slice: &ws::TensorSlice, align: usize) -> usize {
-    usize::try_from(slice.len()).unwrap_or(usize::MAX).saturating_add(2 * align)
+    usize::try_from(slice.len())
+        .unwrap_or(usize::MAX)
+        .saturating_add(2 * align)
 }
 
 /// Every tensor of a model (or one file) as `[(name, dtype, shape, bytes,
@@ -489,7 +491,14 @@ fn catalog(
         .iter()
         .map(|t| {
             let file = shards[t.shard].listed.to_string_lossy().into_owned();
-            (t.name.clone(), t.dtype.name().to_string(), t.shape.clone(), t.len, file, t.offset)
+            (
+                t.name.clone(),
+                t.dtype.name().to_string(),
+                t.shape.clone(),
+                t.len,
+                file,
+                t.offset,
+            )
         })
         .collect())
 }
@@ -546,7 +555,12 @@ fn load_slices(
         .into_iter()
         .map(|(k, l)| {
             let s = &slices[k];
-            (s.tensor().name.clone(), s.dtype().name().to_string(), s.shape().to_vec(), l)
+            (
+                s.tensor().name.clone(),
+                s.dtype().name().to_string(),
+                s.shape().to_vec(),
+                l,
+            )
         })
         .collect())
 }
@@ -722,11 +736,20 @@ impl Stream {
                     (meta, ticket)
                 }
                 Todo::Slice(s) => {
-                    let meta = (s.tensor().name.clone(), s.dtype().name().to_string(), s.shape().to_vec());
+                    let meta = (
+                        s.tensor().name.clone(),
+                        s.dtype().name().to_string(),
+                        s.shape().to_vec(),
+                    );
                     let ticket = (|| -> ws::Result<_> {
                         let align = self.engine.direct_align();
                         let memory = self.engine.packed_arena(slice_room(&s, align), false)?;
-                        Ok(Some(self.engine.read_slice(&s, &memory, slice_offset(&s, 0, align), ws::Scratch::Before)?))
+                        Ok(Some(self.engine.read_slice(
+                            &s,
+                            &memory,
+                            slice_offset(&s, 0, align),
+                            ws::Scratch::Before,
+                        )?))
                     })();
                     (meta, ticket)
                 }
