@@ -2,8 +2,8 @@
 
 argv: MODEL INIT_FILE RANK WORLD OUT_JSON MODE
 MODE: "all" (every tensor on every rank), "tp2" (tensor parallel 2 inside
-the world: rank r is TP rank r % 2), "fail1" (rank 1's read fails), "die1" (rank 1 exits before the
-exchange).
+the world: rank r is TP rank r % 2), "fail1" (rank 1's read fails), "badrule" (rank 1's shard rule is
+wrong), "die1" (rank 1 exits before the exchange).
 Writes {name: [dtype, shape, sha256]} and the report to OUT_JSON, or
 {"error": message} when load_distributed raised.
 """
@@ -48,6 +48,9 @@ if mode == "fail1" and rank == 1:
             return item
 
     weightstream._native.Stream = Broken
+if mode == "badrule":
+    # Rank 1's rule names a dimension the tensors do not have.
+    shard = {"*.q.weight": (5, 0, 2)} if rank == 1 else None
 if mode == "die1" and rank == 1:
     os._exit(3)
 

@@ -114,6 +114,15 @@ def test_a_failed_read_raises_on_every_rank_naming_the_rank_and_the_file(model, 
     assert len({res["error"] for res in results}) == 1
 
 
+def test_a_bad_rule_on_one_rank_raises_on_every_rank(model, tmp_path):
+    d, _ = model
+    results = run(d, 2, "badrule", tmp_path)
+    for r, res in enumerate(results):
+        assert res and "error" in res, (r, res)
+        assert "DistributedLoadError: rank 1: tensor model.layers." in res["error"], res["error"]
+        assert "shard dim 5" in res["error"], res["error"]
+
+
 def test_a_dead_rank_makes_the_others_raise_not_hang(model, tmp_path):
     d, _ = model
     results = run(d, 2, "die1", tmp_path)

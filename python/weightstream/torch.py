@@ -70,7 +70,10 @@ def load_distributed(
     tensor or slice is read by one of the ranks that need it, into memory
     the tensor keeps; a receiver's bytes land in the tensor it keeps.
 
-    Errors: a rank whose read fails sends a failure in place of that tensor
+    Errors: a rank that cannot open the model or apply its ``shard`` rule
+    says so when the ranks exchange their needs, and every rank raises
+    ``DistributedLoadError`` with its message. A rank whose read fails
+    sends a failure in place of that tensor
     (and of the rest it was to read), the exchange runs to its end, and
     then every rank raises ``DistributedLoadError`` naming the rank and the
     file. A rank that dies makes the others raise when the group's timeout
@@ -97,28 +100,24 @@ def load_distributed(
     path, names = _model_path(model), _names(names)
 
     # The catalog, in file order: every rank reads the same headers and so
-    # computes the same plan.
-    catalog = _native.catalog(path, dirs=_paths(dirs), mirrors=_paths(mirrors))
-    info = {name: (dtype, list(shape), nbytes, file, offset) for name, dtype, shape, nbytes, file, offset in catalog}
-    order = sorted(info, key=lambda n: (info[n][3], info[n][4], n))
-    if names:
-        order = [n for n in order if any(p in n for p in names)]
-
-    # What each rank needs: {name: bounds or None (whole)}, gathered so
-    # every rank knows every rank's needs.
-    rule = _shard_rule(shard) if shard is not None else None
-    mine = {}
-    for n in order:
-        spec = rule(n, info[n][1]) if rule else None
-        if spec is None:
-            mine[n] = None
-            continue
-        b = shard_bounds(n, info[n][1], spec)
-        if b[-1][0] == b[-1][1]:
-            raise ValueError(f"tensor {n}: rank {spec[1]} of {spec[2]} gets nothing of dimension {len(b) - 1}")
-        mine[n] = None if all(x == (0, m) for x, m in zip(b, info[n][1])) else [tuple(x) for x in b]
+    # computes the same plan. What each rank needs: {name: bounds or None
+    # (whole)}, gathered so every rank knows every rank's needs. A rank
+    # that cannot open the model or apply its rule says so in the gather,
+    # and every rank raises (none is left waiting for it).
+    try:
+        catalog = _native.catalog(path, dirs=_paths(dirs), mirrors=_paths(mirrors))
+        info = {name: (dtype, list(shape), nbytes, file, offset) for name, dtype, shape, nbytes, file, offset in catalog}
+        order = sorted(info, key=lambda n: (info[n][3], info[n][4], n))
+        if names:
+            order = [n for n in order if any(p in n for p in names)]
+        mine = _needs(order, info, shard)
+    except Exception as e:  # noqa: BLE001 - raised on every rank below
+        mine = {_ERROR: f"rank {rank}: {e}"}
     needs = [None] * world
     dist.all_gather_object(needs, mine, group=group)
+    bad = next((v[_ERROR] for v in needs if _ERROR in v), None)
+    if bad:
+        raise DistributedLoadError(bad)
 
     # Items: (name, bounds) -> the ranks needing it, in file order; each
     # read by one of them, the one with the fewest bytes so far.
@@ -183,7 +182,8 @@ def load_distributed(
                     if kind == "error":
                         raise got
                     name, dt, shp, payload = got
-                    assert name == n, f"the stream handed {name} for {n}"
+                    if name != n:
+                        raise RuntimeError(f"the read stream handed {name} where {n} was due (a bug in weightstream)")
                     t = to_torch(payload, dt, shp)
                     stats["tensors_read"] += 1
                     stats["bytes_read"] += nbytes
@@ -214,6 +214,27 @@ def load_distributed(
     if report is not None:
         report.update(stats)
     return dict(sorted(out.items()))
+
+
+# The key of a gathered needs dict that carries a rank's error instead.
+_ERROR = "\0error"
+
+
+def _needs(order, info, shard):
+    """This rank's needs: {name: None (whole) or a range per dimension up
+    to the one its rule slices}."""
+    rule = _shard_rule(shard) if shard is not None else None
+    mine = {}
+    for n in order:
+        spec = rule(n, info[n][1]) if rule else None
+        if spec is None:
+            mine[n] = None
+            continue
+        b = shard_bounds(n, info[n][1], spec)
+        if b[-1][0] == b[-1][1]:
+            raise ValueError(f"tensor {n}: rank {spec[1]} of {spec[2]} gets nothing of dimension {len(b) - 1}")
+        mine[n] = None if all(x == (0, m) for x, m in zip(b, info[n][1])) else [tuple(x) for x in b]
+    return mine
 
 
 def _block_bytes(entry, key):
