@@ -777,43 +777,37 @@ impl Stream {
     ) -> PyResult<Self> {
         let config = layout(path, dirs, mirrors, route, direct)?;
         let (model, engine) = open(py, config)?;
-        if let Some(items) = items {
+        let todo: std::collections::VecDeque<Todo> = match items {
             // These items, in this order: whole tensors, or slices.
-            let mut todo = std::collections::VecDeque::with_capacity(items.len());
-            for (name, bounds) in items {
-                let t = model.tensor(&name).map_err(to_py)?;
-                todo.push_back(match bounds {
-                    None => Todo::Whole(t.clone()),
-                    Some(b) => {
-                        let r: Vec<std::ops::Range<usize>> = b.iter().map(|&(a, z)| a..z).collect();
-                        Todo::Slice(t.slice(&r).map_err(|e| PyValueError::new_err(e.to_string()))?)
+            Some(items) => {
+                let mut todo = std::collections::VecDeque::with_capacity(items.len());
+                for (name, bounds) in items {
+                    let t = model.tensor(&name).map_err(to_py)?;
+                    todo.push_back(match bounds {
+                        None => Todo::Whole(t.clone()),
+                        Some(b) => {
+                            let r: Vec<std::ops::Range<usize>> = b.iter().map(|&(a, z)| a..z).collect();
+                            Todo::Slice(t.slice(&r).map_err(|e| PyValueError::new_err(e.to_string()))?)
+                        }
+                    });
+                }
+                todo
+            }
+            // Every tensor (whose name contains one of `names`), in name order.
+            None => {
+                let all = model.catalog().tensors();
+                let names = names.unwrap_or_default();
+                for n in &names {
+                    if !all.iter().any(|t| t.name.contains(n.as_str())) {
+                        return Err(PyValueError::new_err(format!("names: no tensor name contains {n:?}")));
                     }
-                });
+                }
+                all.iter()
+                    .filter(|t| names.is_empty() || names.iter().any(|n| t.name.contains(n.as_str())))
+                    .map(|t| Todo::Whole(t.clone()))
+                    .collect()
             }
-            let mut stream = Stream {
-                pending: Default::default(),
-                engine,
-                todo,
-                window: window.clamp(1, 1024),
-                _model: model,
-            };
-            // The reads start now, not at the first `next`: a caller busy
-            // with other work meanwhile (an exchange) finds them landed.
-            stream.fill();
-            return Ok(stream);
-        }
-        let all = model.catalog().tensors();
-        let names = names.unwrap_or_default();
-        for n in &names {
-            if !all.iter().any(|t| t.name.contains(n.as_str())) {
-                return Err(PyValueError::new_err(format!("names: no tensor name contains {n:?}")));
-            }
-        }
-        let todo = all
-            .iter()
-            .filter(|t| names.is_empty() || names.iter().any(|n| t.name.contains(n.as_str())))
-            .map(|t| Todo::Whole(t.clone()))
-            .collect();
+        };
         let mut stream = Stream {
             pending: Default::default(),
             engine,
@@ -821,6 +815,8 @@ impl Stream {
             window: window.clamp(1, 1024),
             _model: model,
         };
+        // The reads start now, not at the first `next`: a caller busy with
+        // other work meanwhile (an exchange) finds them landed.
         stream.fill();
         Ok(stream)
     }
