@@ -128,17 +128,22 @@ fn a_drive_with_several_rings_survives_one_of_them() {
     drop(sim);
 }
 
-/// The build's own disk (virtio here, NVMe on most hosts) completes
-/// asynchronously: one ring that issues inline. (On a busy machine the
-/// submitter may be held up inside the probe's call until every read has
-/// completed, which once made this disk look inline under CI; the probe
-/// judges only passes in which the submitter kept the CPU.) (A loop device over tmpfs,
-/// simdrives' memloop, is not used for this: since Linux 6.x the loop driver
-/// first tries each read without blocking in the submitter's context, so it
-/// completes inline or not depending on its load, and either plan reads it
-/// at the same speed: 8.6 against 8.4 GB/s here.)
+/// The build's own disk (virtio here, NVMe on most hosts) gets the plan its
+/// probe says, and the bytes are right either way. Which verdict a disk
+/// earns is a measurement of the host, not a fact the suite can assert: a
+/// virtio disk completes asynchronously here (0 of 8 reads done when the
+/// submitting call returned), but on a CI host whose disk image sits in the
+/// host's page cache, three clean passes each saw all 8 reads done inside
+/// a 0.67 ms call (the guest's submitter kept its CPU while the host served
+/// the reads), and the drive rightly got a ring per CPU. The rule itself
+/// (more than half done at submit, in the clean pass with the fewest) is
+/// unit-tested with made-up probes in `engine::lanes` and
+/// `engine::backend::ring`. (A loop device over tmpfs, simdrives' memloop,
+/// is covered below: since Linux 6.x the loop driver first tries each read
+/// without blocking in the submitter's context, so it completes inline or
+/// not depending on its load.)
 #[test]
-fn a_drive_that_completes_asynchronously_keeps_one_ring() {
+fn the_build_disk_gets_the_plan_its_probe_says() {
     if !common::uring_available() {
         return;
     }
@@ -149,16 +154,22 @@ fn a_drive_that_completes_asynchronously_keeps_one_ring() {
     let model = Model::open(ModelConfig::new(&dir)).unwrap();
     let engine = Engine::new(&model, EngineConfig::default()).unwrap();
     let d = &engine.stats().drives[0];
-    let why = d.submit_reason.as_deref().unwrap_or("");
-    if !(d.device.starts_with("vd") || d.device.starts_with("nvme") || d.device.starts_with("sd")) {
-        eprintln!(
-            "SKIP: the build disk {} is not a virtio, NVMe or SCSI disk ({why})",
-            d.device
-        );
+    let why = d.submit_reason.clone().unwrap_or_default();
+    if why.contains("no probe read was possible") {
+        eprintln!("SKIP: the build disk {} takes no O_DIRECT probe ({why})", d.device);
+        read_all(&engine, &model, s.seed);
         return;
     }
-    assert_eq!((d.rings, d.submit), (Some(1), Some("inline")), "{d:?}");
-    assert!(why.contains("asynchronously") && why.contains("clean passes"), "{why}");
+    eprintln!("the build disk {}: {why}", d.device);
+    let want = if why.contains("completes reads inline") {
+        cpus().min(8) as u32
+    } else {
+        assert!(why.contains("asynchronously"), "{why}");
+        1
+    };
+    assert_eq!((d.rings, d.submit), (Some(want), Some("inline")), "{d:?}");
+    // The verdict names the passes it was drawn from.
+    assert!(why.contains("passes"), "{why}");
     read_all(&engine, &model, s.seed);
 }
 
