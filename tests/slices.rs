@@ -325,7 +325,10 @@ fn a_slice_wakes_its_waker_only_when_every_piece_landed() {
             let l = match std::pin::Pin::new(&mut ticket).poll(&mut cx) {
                 Poll::Ready(r) => r.unwrap(),
                 Poll::Pending => {
-                    rx.recv().unwrap();
+                    // A watchdog, not a timing: a waker never woken fails
+                    // here instead of hanging the suite.
+                    rx.recv_timeout(std::time::Duration::from_secs(120))
+                        .unwrap_or_else(|_| panic!("{backend:?}: the waker was never woken"));
                     match std::pin::Pin::new(&mut ticket).poll(&mut cx) {
                         Poll::Ready(r) => r.unwrap(),
                         Poll::Pending => panic!("{backend:?}: woken before the last piece landed"),
