@@ -357,8 +357,7 @@ impl Reader {
         let slice = t.slice(&ranges).map_err(|e| PyValueError::new_err(e.to_string()))?;
         let loaded = py
             .detach(|| -> ws::Result<ws::Loaded> {
-                let len = usize::try_from(slice.len()).unwrap_or(usize::MAX);
-                let memory = engine.packed_arena(slice_room(&slice, engine.direct_align()).max(len), false)?;
+                let memory = engine.packed_arena(slice_room(&slice, engine.direct_align()), false)?;
                 let at = slice_offset(&slice, 0, engine.direct_align());
                 engine.read_slice(&slice, &memory, at, ws::Scratch::Before)?.wait()
             })
@@ -450,8 +449,9 @@ impl Reader {
     }
 }
 
-/// One tensor of [`catalog`]: name, dtype, shape, bytes, file, offset.
-type CatalogEntry = (String, String, Vec<usize>, u64, String, u64);
+/// One tensor of [`catalog`]: name, dtype, shape, bytes, file, offset,
+/// the volumes (`st_dev`) of its shard's copies, primary first.
+type CatalogEntry = (String, String, Vec<usize>, u64, String, u64, Vec<u64>);
 
 /// Where a slice starts in packed memory whose free bytes begin at
 /// `cursor`: rows (one run) in phase with their file offset, on a block of
@@ -472,8 +472,9 @@ fn slice_room(slice: &ws::TensorSlice, align: usize) -> usize {
 }
 
 /// Every tensor of a model (or one file) as `[(name, dtype, shape, bytes,
-/// file, offset)]` in name order (`file`: the shard's path, `offset`: the
-/// payload's in it): its headers only, no engine.
+/// file, offset, drives)]` in name order (`file`: the shard's path,
+/// `offset`: the payload's in it, `drives`: the `st_dev` of each copy of
+/// the shard, primary first): its headers only, no engine.
 #[pyfunction]
 #[pyo3(signature = (path, dirs=None, mirrors=None))]
 fn catalog(
@@ -485,6 +486,16 @@ fn catalog(
     let config = layout(path, dirs, mirrors, None, None)?;
     let model = py.detach(|| ws::Model::open(config)).map_err(to_py)?;
     let shards = model.catalog().shards();
+    // The volumes (st_dev) of each shard's copies, primary first.
+    let drives: Vec<Vec<u64>> = (0..shards.len())
+        .map(|s| {
+            model
+                .copies(s)
+                .iter()
+                .map(|&f| model.drives()[model.files()[f].drive].dev)
+                .collect()
+        })
+        .collect();
     Ok(model
         .catalog()
         .tensors()
@@ -498,6 +509,7 @@ fn catalog(
                 t.len,
                 file,
                 t.offset,
+                drives[t.shard].clone(),
             )
         })
         .collect())
@@ -595,6 +607,11 @@ fn load(
     std::thread::Builder::new()
         .name("ws-py-load".into())
         .spawn(move || {
+            // The engine outlives the result: its shutdown (joining the
+            // ring threads, tearing the rings down) runs after the tensors
+            // are handed over, not inside the caller's wait. The loaded
+            // memory is the tensors' own; the engine never touches it again.
+            let mut engine_kept = None;
             let r = (|| -> ws::Result<_> {
                 let model = ws::Model::open(config)?;
                 let engine = ws::Engine::new(&model, ws::EngineConfig::from_env()?)?;
@@ -642,9 +659,11 @@ fn load(
                     bytes as f64 / seconds.max(1e-9) / 1e9,
                     parts.len()
                 );
+                engine_kept = Some(engine);
                 Ok((meta, all, report))
             })();
             let _ = tx.send(r);
+            drop(engine_kept);
         })
         .map_err(|e| PyOSError::new_err(format!("start the load thread: {e}")))?;
     // A Mutex to carry the receiver into the GIL-free closure (Sync).
@@ -823,6 +842,12 @@ impl Stream {
 
     fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
         slf
+    }
+
+    /// Every counter of the stream's engine, as JSON text (bytes per
+    /// drive among them).
+    fn stats_json(&self) -> PyResult<String> {
+        serde_json::to_string(&self.engine.stats()).map_err(|e| PyValueError::new_err(e.to_string()))
     }
 
     /// The next item as it lands; a read that failed raises its error in

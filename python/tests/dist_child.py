@@ -1,7 +1,8 @@
 """One rank of a load_distributed test (run by test_distributed.py).
 
 argv: MODEL INIT_FILE RANK WORLD OUT_JSON MODE
-MODE: "all" (every tensor on every rank), "tp2" (tensor parallel 2 inside
+MODE: "all" (every tensor on every rank), "split" (a split model, its
+second folder in WS_TEST_SPLIT_DIR), "tp2" (tensor parallel 2 inside
 the world: rank r is TP rank r % 2), "fail1" (rank 1's read fails), "badrule" (rank 1's shard rule is
 wrong), "die1" (rank 1 exits before the exchange).
 Writes {name: [dtype, shape, sha256]} and the report to OUT_JSON, or
@@ -21,7 +22,11 @@ import weightstream
 import weightstream.torch as wt
 
 model, init, rank, world, out, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6]
-dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=20))
+# The group's timeout: what the dead-rank test waits out (20 s); a watchdog
+# elsewhere, long enough for ranks that import torch at once on two busy
+# cores.
+timeout = datetime.timedelta(seconds=20 if mode == "die1" else 180)
+dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world, timeout=timeout)
 
 shard = None
 if mode == "tp2":
@@ -34,11 +39,14 @@ if mode == "fail1" and rank == 1:
 
     class Broken:
         def __init__(self, *a, **k):
-            self.inner = iter(real(*a, **k))
+            self.inner = real(*a, **k)
             self.n = 0
 
         def __iter__(self):
             return self
+
+        def stats_json(self):
+            return self.inner.stats_json()
 
         def __next__(self):
             self.n += 1
@@ -54,9 +62,10 @@ if mode == "badrule":
 if mode == "die1" and rank == 1:
     os._exit(3)
 
+dirs = [os.environ["WS_TEST_SPLIT_DIR"]] if mode == "split" else None
 report = {}
 try:
-    sd = wt.load_distributed(model, shard=shard, report=report)
+    sd = wt.load_distributed(model, shard=shard, dirs=dirs, report=report)
     res = {
         n: [str(t.dtype), list(t.shape), hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()]
         for n, t in sd.items()

@@ -128,3 +128,112 @@ def test_a_dead_rank_makes_the_others_raise_not_hang(model, tmp_path):
     results = run(d, 2, "die1", tmp_path)
     assert results[1] is None
     assert results[0] and "error" in results[0], results[0]
+
+
+# Who reads what (pure: no group, no drives).
+
+
+def assign(sized, world, nodes):
+    from weightstream.torch import _assign
+
+    return _assign(sized, world, nodes)
+
+
+def loads(sized, readers, world):
+    out = [0] * world
+    for i, _, nbytes, _ in sized:
+        out[readers[i]] += nbytes
+    return out
+
+
+def test_ranks_on_one_node_read_from_drives_of_their_own():
+    # Two drives holding equal bytes, 2 and 4 ranks on one node: each rank
+    # reads only from the drive it owns, and within its share plus one item.
+    sized = [(i, list(range(4)), 1000 + 10 * (i % 5), (100 + i % 2,)) for i in range(40)]
+    for world in (2, 4):
+        s = [(i, list(range(world)), b, d) for i, _, b, d in sized]
+        readers, owned = assign(s, world, ["n"] * world)
+        assert all(len(owned[r]) == 1 for r in range(world)), owned
+        # Several ranks share a drive only when there are fewer drives.
+        assert len({min(o) for o in owned}) == 2
+        for i, _, _, drives in s:
+            assert owned[readers[i]] == set(drives), (world, i)
+        total, largest = sum(b for _, _, b, _ in s), max(b for _, _, b, _ in s)
+        assert max(loads(s, readers, world)) <= total / world + largest
+
+
+def test_ranks_on_different_nodes_split_by_bytes_alone():
+    sized = [(i, [0, 1], 1000 + i, (100 + i % 2,)) for i in range(10)]
+    readers, owned = assign(sized, 2, ["a", "b"])
+    assert owned == [set(), set()]
+    # Largest first, each to the least loaded: the ranks alternate.
+    assert [readers[i] for i in range(9, -1, -1)] == [0, 1, 1, 0, 0, 1, 1, 0, 0, 1]
+
+
+def test_uneven_drives_never_push_a_rank_past_the_bound():
+    import random
+
+    rng = random.Random(5)
+    for case in range(300):
+        world = rng.choice([2, 3, 4, 8])
+        drives = rng.randint(1, 5)
+        nodes = [f"n{r % rng.choice([1, 2])}" for r in range(world)]
+        sized = []
+        for i in range(rng.randint(1, 60)):
+            copies = tuple(sorted(rng.sample(range(drives), rng.randint(1, min(2, drives)))))
+            sized.append((i, list(range(world)), rng.choice([0, 1, 7, 4096, 10**6, rng.randint(1, 10**7)]), copies))
+        readers, owned = assign(sized, world, nodes)
+        assert sorted(readers) == [i for i, *_ in sized]
+        total, largest = sum(b for _, _, b, _ in sized), max(b for _, _, b, _ in sized)
+        assert max(loads(sized, readers, world)) <= total / world + largest, case
+        for r in range(world):
+            same = [q for q in range(world) if nodes[q] == nodes[r]]
+            assert not owned[r] or len(same) > 1, "a rank alone on its node owns nothing"
+
+
+def test_an_item_goes_only_to_a_rank_that_needs_it():
+    sized = [(i, [i % 3, 3], 100 * (i + 1), (7 + i % 2,)) for i in range(12)]
+    readers, _ = assign(sized, 4, ["n"] * 4)
+    for i, needing, _, _ in sized:
+        assert readers[i] in needing
+
+
+def test_ranks_sharing_a_node_read_their_own_drive(model, tmp_path):
+    """A split model over two file systems (the test's folder and /dev/shm),
+    2 ranks on one node: the rank owning the larger drive reads only from
+    it, the other reads every byte of the smaller one, and every rank's
+    tensors are right."""
+    d, want = model
+    a = tmp_path / "a"
+    a.mkdir()
+    shm = "/dev/shm"
+    if not os.path.isdir(shm) or os.stat(shm).st_dev == os.stat(a).st_dev:
+        pytest.skip("/dev/shm is not a file system of its own here")
+    import shutil
+    import tempfile
+
+    b = tempfile.mkdtemp(prefix="ws-dist-", dir=shm)
+    try:
+        shutil.copy(d / "model.safetensors.index.json", a)
+        shutil.copy(d / "model-00001-of-00003.safetensors", a)
+        shutil.copy(d / "model-00003-of-00003.safetensors", a)
+        shutil.copy(d / "model-00002-of-00003.safetensors", b)
+        os.environ["WS_TEST_SPLIT_DIR"] = b
+        try:
+            results = run(a, 2, "split", tmp_path)
+        finally:
+            del os.environ["WS_TEST_SPLIT_DIR"]
+        expect = {n: digest(t) for n, t in want.items()}
+        dev_a, dev_b = os.stat(a).st_dev, os.stat(b).st_dev
+        for r, res in enumerate(results):
+            assert res and "error" not in res, (r, res)
+            assert res["tensors"] == expect, r
+        reps = [res["report"] for res in results]
+        assert [rep["drives_owned"] for rep in reps] == [[dev_a], [dev_b]], reps
+        by = [{int(k): v for k, v in rep["bytes_by_drive"].items()} for rep in reps]
+        assert set(by[0]) == {dev_a}, by
+        assert dev_b in by[1] and dev_b not in by[0], by
+        in_b = sum(t.numel() * t.element_size() for n, t in want.items() if n.startswith("model.") and int(n.split(".")[2]) % 3 == 1) + 8
+        assert by[1][dev_b] >= in_b, (by, in_b)
+    finally:
+        shutil.rmtree(b, ignore_errors=True)

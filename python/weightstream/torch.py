@@ -49,6 +49,12 @@ def load_distributed(
       the fewest bytes so far: no rank reads more than its share plus one
       tensor); each rank reads its part with weightstream, and each tensor
       is broadcast from the rank that read it.
+    - Ranks that share a node (the same host name and boot id, or the same
+      ``WEIGHTSTREAM_NODE``) also split by drive: the node's drives are
+      shared out among its ranks, and a tensor goes to a rank that owns a
+      drive holding it whenever that keeps the rank within its share plus
+      the largest tensor, so the ranks of a node do not all contend for
+      every drive (see ``_assign``).
     - With ``shard`` (as ``weightstream.load``'s: a rule table or a
       function, evaluated on each rank for that rank), each rank ends with
       its own slices and the whole of every tensor no rule slices. A slice
@@ -81,7 +87,10 @@ def load_distributed(
 
     ``report``: a dict, filled with this rank's ``bytes_read`` (the
     payload bytes it read from the drives), ``bytes_sent``,
-    ``bytes_received``, ``tensors_read`` and ``seconds``.
+    ``bytes_received``, ``tensors_read``, ``seconds``, ``node``,
+    ``drives_owned`` (``st_dev`` of the drives it owns on its node; empty
+    when it owns none) and ``bytes_by_drive`` (what its engine read from
+    each drive, by ``st_dev``; absent when it read nothing).
     """
     import time
 
@@ -106,11 +115,13 @@ def load_distributed(
     # and every rank raises (none is left waiting for it).
     try:
         catalog = _native.catalog(path, dirs=_paths(dirs), mirrors=_paths(mirrors))
-        info = {name: (dtype, list(shape), nbytes, file, offset) for name, dtype, shape, nbytes, file, offset in catalog}
+        info = {name: (dtype, list(shape), nbytes, file, offset) for name, dtype, shape, nbytes, file, offset, _ in catalog}
+        drives_of = {name: tuple(drives) for name, *_, drives in catalog}
         order = sorted(info, key=lambda n: (info[n][3], info[n][4], n))
         if names:
             order = [n for n in order if any(p in n for p in names)]
         mine = _needs(order, info, shard)
+        mine[_NODE] = _node_key()
     except Exception as e:  # noqa: BLE001 - raised on every rank below
         mine = {_ERROR: f"rank {rank}: {e}"}
     needs = [None] * world
@@ -118,6 +129,7 @@ def load_distributed(
     bad = next((v[_ERROR] for v in needs if _ERROR in v), None)
     if bad:
         raise DistributedLoadError(bad)
+    nodes = [v.pop(_NODE) for v in needs]
 
     # Items: (name, bounds) -> the ranks needing it, in file order; each
     # read by one of them, the one with the fewest bytes so far.
@@ -130,16 +142,9 @@ def load_distributed(
                 by_block.setdefault(key, []).append(r)
         for key, ranks in by_block.items():
             items.append((n, key, ranks))
-    # Largest first, each to the least-loaded rank that needs it (the
-    # busiest rank reads at most its share plus one item); ties by file
-    # order, then rank.
-    load = [0] * world
-    assigned = []
-    sized = [(i, n, key, ranks, _block_bytes(info[n], key)) for i, (n, key, ranks) in enumerate(items)]
-    for i, n, key, ranks, nbytes in sorted(sized, key=lambda x: (-x[4], x[0])):
-        reader = min(ranks, key=lambda r: (load[r], r))
-        load[reader] += nbytes
-        assigned.append((i, n, key, ranks, reader, nbytes))
+    sized = [(i, ranks, _block_bytes(info[n], key), drives_of[n]) for i, (n, key, ranks) in enumerate(items)]
+    readers, owned = _assign(sized, world, nodes)
+    assigned = [(i, n, key, ranks, readers[i], sized[i][2]) for i, (n, key, ranks) in enumerate(items)]
     # Each rank reads its items in file order; the exchange takes them
     # interleaved by when each lands on its reader (the bytes it reads
     # before it), so every rank's reads feed it at once.
@@ -154,14 +159,23 @@ def load_distributed(
     # order (WINDOW reads in flight, each into memory of its own, which the
     # tensor keeps), and each is sent as soon as the exchange reaches it,
     # while the rank's later reads (and every other rank's) go on.
-    stats = {"bytes_read": 0, "bytes_sent": 0, "bytes_received": 0, "tensors_read": 0, "rank": rank, "world": world}
+    stats = {
+        "bytes_read": 0,
+        "bytes_sent": 0,
+        "bytes_received": 0,
+        "tensors_read": 0,
+        "rank": rank,
+        "world": world,
+        "node": nodes[rank],
+        "drives_owned": sorted(owned[rank]),
+    }
     my_items = [(n, None if key is None else [tuple(x) for x in key]) for n, key, _, reader, _ in plan if reader == rank]
     failure = None
-    landed = None
+    landed = stream = pump = None
     if my_items:
         try:
             stream = _native.Stream(path, dirs=_paths(dirs), mirrors=_paths(mirrors), route=route, direct=direct, window=WINDOW, items=my_items)
-            landed = _pump(stream)
+            landed, pump = _pump(stream)
         except Exception as e:  # noqa: BLE001 - sent to the others, raised at the end
             failure = ("own", f"rank {rank}: opening {path}: {e}")
     from ._convert import to_torch
@@ -202,6 +216,14 @@ def load_distributed(
             else:
                 out[n] = t
                 stats["bytes_received"] += nbytes
+    if pump is not None:
+        # Every item was taken; the thread's last call (its StopIteration)
+        # may still be running: the engine's counters wait for it.
+        pump.join()
+        try:
+            stats["bytes_by_drive"] = _bytes_by_drive(stream)
+        except Exception as e:  # noqa: BLE001 - a report field, never the load's failure
+            stats["bytes_by_drive_error"] = str(e)
     fails = [None] * world
     dist.all_gather_object(fails, failure, group=group)
     if any(fails):
@@ -216,8 +238,102 @@ def load_distributed(
     return dict(sorted(out.items()))
 
 
-# The key of a gathered needs dict that carries a rank's error instead.
+# The keys of a gathered needs dict that carry a rank's error instead, and
+# the node it runs on (neither can be a tensor name: safetensors names are
+# JSON strings, and these begin with a NUL that no caller's name does).
 _ERROR = "\0error"
+_NODE = "\0node"
+
+
+def _node_key():
+    """The machine this rank runs on: ranks with the same key share a node,
+    and so its drives. The host name and the kernel's boot id, or the
+    ``WEIGHTSTREAM_NODE`` environment variable where set (a simulation of
+    nodes on one machine gives each rank its own)."""
+    import os
+    import socket
+
+    forced = os.environ.get("WEIGHTSTREAM_NODE")
+    if forced:
+        return forced
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _assign(sized, world, nodes):
+    """Who reads what: ``sized`` is ``[(item, ranks needing it, bytes,
+    drives of its copies)]``, ``nodes`` each rank's node key. Returns
+    ``{item: reader}`` and each rank's owned drives (a set of ``st_dev``).
+
+    By bytes: largest first, each item to the least-loaded rank that needs
+    it, ties by item order then rank, so no rank reads more than its share
+    plus one item (where every rank needs every item).
+
+    By drive, where ranks share a node: the node's drives are split among
+    its ranks (largest first, each drive to the rank owning the fewest
+    bytes; with fewer drives than ranks, several ranks share one), and an
+    item goes to the least-loaded rank that needs it and owns a drive of
+    one of its copies, as long as that rank stays within the bound above
+    (its share plus the largest item); otherwise to the least-loaded rank
+    that needs it. So ranks on one node read from different drives instead
+    of all of them contending for each, without reading more than the
+    bound: on a node whose drives hold equal bytes, each rank reads from
+    its own drives only."""
+    by_node = {}
+    for r in range(world):
+        by_node.setdefault(nodes[r], []).append(r)
+    owned = [set() for _ in range(world)]
+    for ranks in by_node.values():
+        drive_bytes = {}
+        for _, needing, nbytes, drives in sized:
+            if drives and any(r in ranks for r in needing):
+                for d in drives:
+                    drive_bytes[d] = drive_bytes.get(d, 0) + nbytes / len(drives)
+        if len(ranks) < 2 or len(drive_bytes) < 2:
+            continue  # one rank, or one drive: nothing to split
+        by_size = sorted(drive_bytes, key=lambda d: (-drive_bytes[d], d))
+        if len(by_size) >= len(ranks):
+            held = {r: 0.0 for r in ranks}
+            for d in by_size:
+                r = min(ranks, key=lambda r: (held[r], r))
+                owned[r].add(d)
+                held[r] += drive_bytes[d]
+        else:
+            for j, r in enumerate(ranks):
+                owned[r].add(by_size[j % len(by_size)])
+    total = sum(nbytes for _, _, nbytes, _ in sized)
+    largest = max((nbytes for _, _, nbytes, _ in sized), default=0)
+    bound = total / world + largest
+    load = [0] * world
+    readers = {}
+    for i, needing, nbytes, drives in sorted(sized, key=lambda x: (-x[2], x[0])):
+        least = min(needing, key=lambda r: (load[r], r))
+        homed = [r for r in needing if owned[r] & set(drives) and load[r] + nbytes <= bound]
+        reader = min(homed, key=lambda r: (load[r], r)) if homed else least
+        load[reader] += nbytes
+        readers[i] = reader
+    return readers, owned
+
+
+def _bytes_by_drive(stream):
+    """The payload bytes a stream's engine read, per drive (``st_dev`` of
+    its mount, as the catalog names drives)."""
+    import json
+    import os
+
+    out = {}
+    for d in json.loads(stream.stats_json()).get("drives", []):
+        try:
+            dev = os.stat(d["mount"]).st_dev
+        except (OSError, KeyError):
+            continue
+        if d.get("bytes"):
+            out[dev] = out.get(dev, 0) + d["bytes"]
+    return out
 
 
 def _needs(order, info, shard):
@@ -255,10 +371,11 @@ def _block_bytes(entry, key):
 
 def _pump(stream):
     """A queue of the stream's items as they land, filled by a thread of
-    its own: the reads go on back to back (the stream refills its window at
-    each item) while the caller is busy exchanging. A failed read is an
-    ("error", exception) item in its place. The thread ends with the
-    stream (it holds no lock the caller needs; waits release the GIL)."""
+    its own, and that thread: the reads go on back to back (the stream
+    refills its window at each item) while the caller is busy exchanging.
+    A failed read is an ("error", exception) item in its place. The thread
+    ends with the stream (it holds no lock the caller needs; waits release
+    the GIL)."""
     import queue
     import threading
 
@@ -275,8 +392,9 @@ def _pump(stream):
                 continue
             q.put(("ok", item))
 
-    threading.Thread(target=run, name="ws-dist-reads", daemon=True).start()
-    return q
+    thread = threading.Thread(target=run, name="ws-dist-reads", daemon=True)
+    thread.start()
+    return q, thread
 
 
 def _send(t, others, ranks, world, rank, group, dist, torch, wire, status):
