@@ -109,7 +109,8 @@ struct Reader {
     /// `get_tensor` over the keys asks for next), into the shared arena.
     ahead: std::sync::Mutex<Ahead>,
     /// Memory for `read`s: one packed arena for every tensor of the file or
-    /// model (registered once, faulted by the reads), made at the first
+    /// model (not registered: see [`read_once_arena`]; each page faulted by
+    /// the read that fills it), made at the first
     /// read. A payload keeps its slot, so its bytes are never reused while
     /// Python holds it; a slot comes back only when its tensor is gone.
     /// When the arena has no room (tensors kept and read again), a read
@@ -175,7 +176,7 @@ impl Reader {
                     None => {
                         let slot = match shared.take_for(t) {
                             Ok(slot) => slot,
-                            Err(_) => engine.packed_arena_for(&[t], 1, false)?.take_for(t)?,
+                            Err(_) => read_once_arena_for(engine, t)?.take_for(t)?,
                         };
                         engine.read(t, slot)?
                     }
@@ -213,7 +214,7 @@ impl Reader {
         if g.is_none() {
             let all: Vec<&ws::TensorRef> = self.model.catalog().tensors().iter().collect();
             let bytes = engine.placement_bytes(&all).map_err(to_py)?;
-            match py.detach(|| engine.packed_arena(bytes.max(4096), false)) {
+            match py.detach(|| read_once_arena(engine, bytes.max(4096))) {
                 Ok(a) => *g = Some(Some(a)),
                 // Not silent: each read then gets memory of its own (slower,
                 // never wrong); said once, for this file.
@@ -246,6 +247,24 @@ impl Reader {
     }
 }
 
+/// Memory for reads that land once: each tensor handed to Python owns its
+/// bytes and none is read into again. A packed arena, not registered with
+/// the rings: registering pins every page at once, on the calling thread,
+/// before the first read (a whole shard's arena at its first `get_tensor`),
+/// where unregistered pages are faulted by the reads that fill them, on
+/// the ring threads, alongside the other reads. Its reads are plain Read
+/// by choice, counted per drive in `chunks_unregistered_arena` (as a
+/// whole-model load's own mapping is), not warned.
+fn read_once_arena(engine: &ws::Engine, bytes: usize) -> ws::Result<ws::Arena> {
+    ws::Arena::packed(bytes, engine.model().required_align(), false)
+}
+
+/// [`read_once_arena`] with room for `t` alone.
+fn read_once_arena_for(engine: &ws::Engine, t: &ws::TensorRef) -> ws::Result<ws::Arena> {
+    let bytes = ws::Arena::packed_bytes_for(&[t], 1, engine.model().required_align())?;
+    read_once_arena(engine, bytes)
+}
+
 /// Reads `part` into memory nothing else holds: a slot of `shared` (the
 /// payload in place, O_DIRECT), or of an arena of its own when `shared`
 /// has no room; with the GIL released.
@@ -264,7 +283,7 @@ fn read_one(
         .detach(|| -> ws::Result<ws::Loaded> {
             let slot = match shared.map(|a| a.take_for(part)) {
                 Some(Ok(slot)) => slot,
-                _ => engine.packed_arena_for(&[part], 1, false)?.take_for(part)?,
+                _ => read_once_arena_for(engine, part)?.take_for(part)?,
             };
             engine.read(part, slot)?.wait()
         })
@@ -357,7 +376,7 @@ impl Reader {
         let slice = t.slice(&ranges).map_err(|e| PyValueError::new_err(e.to_string()))?;
         let loaded = py
             .detach(|| -> ws::Result<ws::Loaded> {
-                let memory = engine.packed_arena(slice_room(&slice, engine.direct_align()), false)?;
+                let memory = read_once_arena(engine, slice_room(&slice, engine.direct_align()))?;
                 let at = slice_offset(&slice, 0, engine.direct_align());
                 engine.read_slice(&slice, &memory, at, ws::Scratch::Before)?.wait()
             })
@@ -546,7 +565,7 @@ fn load_slices(
         at.push(a);
         cursor = a + usize::try_from(s.len()).unwrap_or(usize::MAX);
     }
-    let memory = engine.packed_arena(cursor.max(4096), false)?;
+    let memory = read_once_arena(engine, cursor.max(4096))?;
     let mut out = Vec::with_capacity(slices.len());
     let mut pending: std::collections::VecDeque<(usize, ws::SliceTicket)> = Default::default();
     let mut in_flight = 0u64;
@@ -746,9 +765,9 @@ impl Stream {
                         if t.len == 0 {
                             return Ok(None);
                         }
-                        // Exactly the tensor's blocks: the arena is
-                        // registered (pinned), so its every page counts.
-                        let arena = self.engine.packed_arena(self.engine.placement_bytes(&[&t])?, false)?;
+                        // Exactly the tensor's blocks (an arena sized
+                        // for the ring bound would hold twice the tensor).
+                        let arena = read_once_arena(&self.engine, self.engine.placement_bytes(&[&t])?)?;
                         let slot = arena.take_for(&t)?;
                         Ok(Some(self.engine.read(&t, slot)?.into()))
                     })();
@@ -762,7 +781,7 @@ impl Stream {
                     );
                     let ticket = (|| -> ws::Result<_> {
                         let align = self.engine.direct_align();
-                        let memory = self.engine.packed_arena(slice_room(&s, align), false)?;
+                        let memory = read_once_arena(&self.engine, slice_room(&s, align))?;
                         Ok(Some(self.engine.read_slice(
                             &s,
                             &memory,
