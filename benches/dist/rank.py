@@ -48,6 +48,10 @@ def main():
     if arm == "ws-dist":
         import weightstream.torch as wt
 
+        # Each rank stands for a node of its own (its own link to the
+        # storage): no split by drive among ranks of one node.
+        os.environ["WEIGHTSTREAM_NODE"] = f"simulated-node-{rank}"
+
         sd = wt.load_distributed(model, report=report)
     elif arm == "ws-each":
         import weightstream
