@@ -80,7 +80,7 @@ def main():
         import weightstream
 
         sd = {}
-        for i, (name, _dtype, _shape, nbytes, _file, _off) in enumerate(weightstream._native.catalog(model)):
+        for i, (name, _dtype, _shape, nbytes, *_) in enumerate(weightstream._native.catalog(model)):
             buf = torch.empty(nbytes, dtype=torch.uint8)
             if nbytes:
                 dist.broadcast(buf, src=i % world)
