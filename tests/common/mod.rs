@@ -593,10 +593,68 @@ impl Drop for SimDrives {
                 let _ = std::fs::write(home, std::process::id().to_string());
             }
         }
-        let _ = Command::new(&self.script)
-            .arg("down")
-            .env("SIMDRIVES_BASE", &self.base)
-            .env("SIMDRIVES_CGROUP", sim_cgroup())
-            .status();
+        // A ring's teardown runs in the kernel after its descriptor is
+        // closed and holds the drive's files until it ends, so `down`'s
+        // umount could find the file system busy, unmount it lazily and
+        // fail to reset a zram device, which then outlived the test with
+        // its memory (two per run of tests/fast_drive.rs). Unmount here
+        // first, again while the kernel says busy, for up to about 2 s.
+        // A drive still busy after that is held by this process on
+        // purpose (a test whose dead ring thread leaks what the kernel
+        // may still write into): `down` then runs once the process has
+        // exited, from a shell left behind to wait for it. Cleanup, not a
+        // check: nothing here is asserted.
+        let mut busy = false;
+        for m in &self.mounts {
+            let mut tries = 0;
+            loop {
+                match Command::new("umount").arg(m).output() {
+                    Ok(o) if !o.status.success() && String::from_utf8_lossy(&o.stderr).contains("busy") => {
+                        tries += 1;
+                        if tries == 200 {
+                            busy = true;
+                            break;
+                        }
+                        std::thread::sleep(std::time::Duration::from_millis(10));
+                    }
+                    _ => break,
+                }
+            }
+        }
+        let mut down = if busy {
+            let mut c = Command::new("sh");
+            c.arg("-c")
+                .arg(
+                    r#"while kill -0 "$1" 2>/dev/null; do sleep 0.1; done
+shift
+for m in "$@"; do
+    for i in $(seq 100); do
+        grep -q " $m " /proc/mounts || break
+        umount "$m" 2>/dev/null && break
+        sleep 0.1
+    done
+done
+exec "$SIMDRIVES_SCRIPT" down"#,
+                )
+                .arg("sh")
+                .arg(std::process::id().to_string())
+                .args(&self.mounts)
+                .env("SIMDRIVES_SCRIPT", &self.script)
+                .stdin(std::process::Stdio::null())
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null());
+            c
+        } else {
+            let mut c = Command::new(&self.script);
+            c.arg("down");
+            c
+        };
+        down.env("SIMDRIVES_BASE", &self.base)
+            .env("SIMDRIVES_CGROUP", sim_cgroup());
+        if busy {
+            let _ = down.spawn();
+        } else {
+            let _ = down.status();
+        }
     }
 }
