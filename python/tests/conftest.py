@@ -40,6 +40,31 @@ def np_model(tmp_path_factory):
     return path, t
 
 
+def write_layered_model(d, make, save_file, extra=()):
+    """A model in ``d``: 6 layers of q [256, 96], k [64, 96] and norm [96]
+    weights, layer i in shard i mod 3 of 3, with ``extra`` ``(shard,
+    name, tensor)`` added, and the index transformers writes.
+    ``make(part, shape)`` gives each weight (its dtype is the caller's);
+    ``save_file`` is the framework's writer. Returns every tensor by name."""
+    import json
+
+    shards, weight_map = [{}, {}, {}], {}
+    for i in range(6):
+        for p, shape in (("q", (256, 96)), ("k", (64, 96)), ("norm", (96,))):
+            name = f"model.layers.{i}.{p}.weight"
+            shards[i % 3][name] = make(p, shape)
+            weight_map[name] = f"model-{i % 3 + 1:05d}-of-00003.safetensors"
+    for k, name, t in extra:
+        shards[k][name] = t
+        weight_map[name] = f"model-{k + 1:05d}-of-00003.safetensors"
+    everything = {}
+    for k, s in enumerate(shards):
+        save_file(s, str(d / f"model-{k + 1:05d}-of-00003.safetensors"))
+        everything.update(s)
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return everything
+
+
 def weightstream_bin():
     """The command (for `place`): WEIGHTSTREAM_BIN, else the workspace build."""
     b = os.environ.get("WEIGHTSTREAM_BIN")

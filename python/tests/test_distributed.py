@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import require
+from conftest import require, write_layered_model
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_child.py")
 
@@ -25,21 +25,9 @@ def model(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("dist")
     g = torch.Generator().manual_seed(11)
-    shards, weight_map = [{}, {}, {}], {}
-    for i in range(6):
-        for p, shape, dt in (("q", (256, 96), torch.bfloat16), ("k", (64, 96), torch.float32), ("norm", (96,), torch.float16)):
-            name = f"model.layers.{i}.{p}.weight"
-            shards[i % 3][name] = torch.randn(shape, generator=g).to(dt)
-            weight_map[name] = f"model-{i % 3 + 1:05d}-of-00003.safetensors"
-    shards[0]["extra.empty"] = torch.zeros((0, 4))
-    shards[1]["extra.scalar"] = torch.tensor(3.5, dtype=torch.float64)
-    weight_map["extra.empty"] = "model-00001-of-00003.safetensors"
-    weight_map["extra.scalar"] = "model-00002-of-00003.safetensors"
-    everything = {}
-    for k, s in enumerate(shards):
-        save_file(s, str(d / f"model-{k + 1:05d}-of-00003.safetensors"))
-        everything.update(s)
-    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    dtypes = {"q": torch.bfloat16, "k": torch.float32, "norm": torch.float16}
+    extra = [(0, "extra.empty", torch.zeros((0, 4))), (1, "extra.scalar", torch.tensor(3.5, dtype=torch.float64))]
+    everything = write_layered_model(d, lambda p, shape: torch.randn(shape, generator=g).to(dtypes[p]), save_file, extra)
     return d, everything
 
 

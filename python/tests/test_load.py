@@ -9,7 +9,7 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import run_python, torch_or_skip, weightstream_bin
+from conftest import run_python, torch_or_skip, weightstream_bin, write_layered_model
 
 import weightstream
 
@@ -22,19 +22,7 @@ def sharded(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("sharded")
     rng = np.random.default_rng(7)
-    shards = [{}, {}, {}]
-    weight_map = {}
-    for i in range(6):
-        for p, shape in (("q", (256, 96)), ("k", (64, 96)), ("norm", (96,))):
-            name = f"model.layers.{i}.{p}.weight"
-            shards[i % 3][name] = rng.standard_normal(shape).astype(np.float32)
-            weight_map[name] = f"model-{i % 3 + 1:05d}-of-00003.safetensors"
-    everything = {}
-    for k, s in enumerate(shards):
-        save_file(s, str(d / f"model-{k + 1:05d}-of-00003.safetensors"))
-        everything.update(s)
-    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return d, everything
+    return d, write_layered_model(d, lambda _p, shape: rng.standard_normal(shape).astype(np.float32), save_file)
 
 
 def check(got, want):
