@@ -25,7 +25,16 @@
 #        weightstream-reused  weightstream load MODEL_DIR --json --memory reused:
 #                         Engine::load_all_into memory a first (untimed) load
 #                         wrote; judged against fio's best, not the load
-#                         ceiling (no fresh memory)
+#                         ceiling (no fresh memory). Its timed load is the
+#                         files' second read in a row, which a memloop
+#                         drive serves slower than a first (6 rounds: 11
+#                         of 12 second reads slower than the first)
+#        weightstream-faulted  weightstream load MODEL_DIR --json --memory
+#                         faulted: Engine::load_all_into a registered arena
+#                         faulted in by MADV_POPULATE_WRITE, never read
+#                         into: the timed load is the files' first read
+#                         after the cold step, as each round's fio is;
+#                         judged against fio's best
 #        fresh-read       benches/peers/fresh_read.c: the shards' bytes read
 #                         O_DIRECT (8 threads, 4 MiB preads) into one fresh
 #                         mapping on huge pages, no tensors: the least a
@@ -79,7 +88,7 @@ size=${SIZE:-1.91e9}
 arm_timeout=${ARM_TIMEOUT:-900}
 out=${1:-docs/benchmarks/$(date +%F)-peers}
 # ARMS: a subset of the arms, space separated (default all of them).
-read -r -a arms <<< "${ARMS:-weightstream weightstream-reused fresh-read safetensors runai fastsafetensors}"
+read -r -a arms <<< "${ARMS:-weightstream weightstream-faulted fresh-read safetensors runai fastsafetensors}"
 # WS_BEFORE_BIN: another build's `weightstream load` as one more arm (a
 # before/after in the same interleaved run).
 [ -z "${WS_BEFORE_BIN:-}" ] || arms+=(weightstream-before)
@@ -167,6 +176,7 @@ run_arm() {
     case $arm in
         weightstream) cmd=("$ws" load "$dir" --json ${digest:+--digest}) ;;
         weightstream-reused) cmd=("$ws" load "$dir" --json --memory reused ${digest:+--digest}) ;;
+        weightstream-faulted) cmd=("$ws" load "$dir" --json --memory faulted ${digest:+--digest}) ;;
         weightstream-before) cmd=("$WS_BEFORE_BIN" load "$dir" --json ${digest:+--digest}) ;;
         fresh-read) cmd=("$fresh_read" 8 1 "${shards[@]}") ;;
         *) cmd=("$py" benches/peers/arm.py "$arm" "$dir" ${digest:+--digest "$digest"}) ;;

@@ -623,10 +623,13 @@ fn shutdown_is_bounded_and_every_ticket_completes() {
         // did; `within` only turns a hang into a failure (the time is
         // printed, not bounded: a loaded machine may take longer).
         let t0 = Instant::now();
-        let report = within(Duration::from_secs(60), &format!("{backend:?} shutdown"), move || {
-            engine.shutdown(Duration::from_secs(5))
+        // 30 s for the reads already in the kernel: on a busy 2-core
+        // machine 4096 of them may take longer than the few seconds they
+        // take here, and `drained` is asserted below.
+        let report = within(Duration::from_secs(120), &format!("{backend:?} shutdown"), move || {
+            engine.shutdown(Duration::from_secs(30))
         });
-        eprintln!("{backend:?}: shutdown(5 s) returned after {:?}", t0.elapsed());
+        eprintln!("{backend:?}: shutdown(30 s) returned after {:?}", t0.elapsed());
         assert!(report.drained, "{backend:?}: {report:?}");
         let mut cancelled = 0;
         for (t, k) in ex.iter().zip(tickets) {

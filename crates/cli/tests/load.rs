@@ -53,8 +53,11 @@ fn every_method_loads_the_reference_bytes() {
         arms.push(vec!["--backend", "uring", "--align", "64", "--populate", "--register"]);
         // Into memory a previous load wrote (Engine::load_all_into).
         arms.push(vec!["--backend", "uring", "--memory", "reused"]);
+        // Into memory faulted in, never read into.
+        arms.push(vec!["--backend", "uring", "--memory", "faulted"]);
     }
     arms.push(vec!["--backend", "pread", "--memory", "reused", "--align", "64"]);
+    arms.push(vec!["--backend", "pread", "--memory", "faulted"]);
     let total: u64 = want.len() as u64;
     for extra in arms {
         let mut a = extra.clone();
@@ -76,9 +79,17 @@ fn every_method_loads_the_reference_bytes() {
                 extra[1],
                 "the backend asked for ran"
             );
-            let reused = extra.contains(&"reused");
-            assert_eq!(v["memory"], if reused { "reused" } else { "fresh" }, "{extra:?}");
-            assert_eq!(r["given_memory"].as_bool(), Some(reused), "{r}");
+            let memory = if extra.contains(&"reused") {
+                "reused"
+            } else if extra.contains(&"faulted") {
+                "faulted"
+            } else {
+                "fresh"
+            };
+            assert_eq!(v["memory"], memory, "{extra:?}");
+            assert_eq!(r["given_memory"].as_bool(), Some(memory != "fresh"), "{r}");
+            // Only reused memory had a first load.
+            assert_eq!(v["first_load_seconds"].is_f64(), memory == "reused", "{v}");
         }
     }
 }
