@@ -42,8 +42,9 @@ pub(crate) struct LoadArgs {
 #[derive(Debug, serde::Serialize)]
 struct LoadRecord {
     method: LoadMethod,
-    /// weightstream only: `fresh` (a new mapping) or `reused` (memory a
-    /// previous load wrote; the timed region is the second load alone).
+    /// weightstream only: `fresh` (a new mapping), `reused` (memory a
+    /// previous load wrote; the timed region is the second load alone) or
+    /// `faulted` (memory faulted in, never read into).
     #[serde(skip_serializing_if = "Option::is_none")]
     memory: Option<LoadMemory>,
     /// `--memory reused`: the first, untimed load into the memory (while it
