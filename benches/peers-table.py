@@ -62,6 +62,51 @@ def over_baseline(v):
     return v["peak_rss_bytes"] - v.get("rss_start_bytes", 0)
 
 
+PEERS = ("safetensors", "runai", "fastsafetensors")
+
+
+def round_pairs(by_round, round_fio):
+    """Per-round ratios the issues judge, each over the rounds where both
+    sides ran: the Python load against the command (as measured, and less
+    arm.py's touch, which the command does not pay), either load against
+    the fastest peer of its round, safe_open + get_tensor against
+    safetensors, and the loads into memory that is no longer fresh against
+    the round's fio."""
+    def secs(arm, r, less_touch=False):
+        v = by_round.get(arm, {}).get(r)
+        if v is None:
+            return None
+        return v["seconds"] - (v.get("touch_seconds") or 0.0 if less_touch else 0.0)
+
+    def fastest_peer(r):
+        ss = [secs(a, r) for a in PEERS if secs(a, r) is not None]
+        return min(ss) if ss else None
+
+    rounds = sorted({r for d in by_round.values() for r in d})
+    wanted = [
+        ("weightstream.load (Python) / weightstream load", lambda r: (secs("weightstream", r), secs("ws-py-load", r))),
+        ("weightstream.load (Python) less arm.py's touch / weightstream load",
+         lambda r: (secs("weightstream", r), secs("ws-py-load", r, True)
+                    if by_round.get("ws-py-load", {}).get(r, {}).get("touch_seconds") is not None else None)),
+        ("weightstream load / fastest peer", lambda r: (fastest_peer(r), secs("weightstream", r))),
+        ("weightstream.load (Python) / fastest peer", lambda r: (fastest_peer(r), secs("ws-py-load", r))),
+        ("safe_open + get_tensor / safetensors", lambda r: (secs("safetensors", r), secs("ws-py-safeopen", r))),
+    ]
+    out = {}
+    for label, f in wanted:
+        # Speed ratio: the other side's time over this side's.
+        xs = [a / b for a, b in (f(r) for r in rounds) if a is not None and b]
+        if xs:
+            out[label] = {"median": statistics.median(xs), "min": min(xs), "max": max(xs),
+                          "above_one": sum(x > 1 for x in xs), "rounds": len(xs)}
+    for arm in NOT_FRESH:
+        xs = [v["gbps"] / round_fio[r] for r, v in by_round.get(arm, {}).items() if r in round_fio]
+        if xs:
+            out[f"{arm} / fio, same round"] = {"median": statistics.median(xs), "min": min(xs), "max": max(xs),
+                                               "above_one": sum(x > 1 for x in xs), "rounds": len(xs)}
+    return out
+
+
 def fmt(x, spec=".3f"):
     return "n/a" if x is None else format(x, spec)
 
@@ -87,6 +132,10 @@ def main():
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     notes = []
+    pair_lines = [
+        "| drive | per-round ratio | median | min-max | rounds above 1 |",
+        "|---|---|---|---|---|",
+    ]
     for kind in kinds:
         ceilings = [load(p) for p in (f"{out}/{kind}-ceiling-{i}.json" for i in (0, 1)) if os.path.exists(p)]
         best = max(ceilings, key=lambda v: v["gbps"]) if ceilings else None
@@ -104,6 +153,7 @@ def main():
             round_ceiling[r] = v["gbps"]
             round_fio[r] = v["fio"]["gbps"]
         per = {}
+        by_round = {}  # arm -> {round: record}
         for arm in arms:
             rs, rs_round = [], []
             for r in range(1, rounds + 1):
@@ -111,6 +161,7 @@ def main():
                 if os.path.exists(p):
                     rs.append(load(p))
                     rs_round.append(r)
+            by_round[arm] = dict(zip(rs_round, rs))
             failed = sum(1 for f in failures if f[:2] == [kind, arm] and len(f) > 2 and f[2].isdigit())
             if not rs:
                 per[arm] = {"runs": 0, "failed": failed}
@@ -182,7 +233,13 @@ def main():
             lines.append(f"| {kind} | load ceiling of the sweeps ({best['bound']} bound; better of before and after) | {ceiling_gbps:.3f} | {min(v['gbps'] for v in ceilings):.2f}-{max(v['gbps'] for v in ceilings):.2f} | {len(ceilings)}/2 | | | {fmt(ceiling_gbps / fio_gbps if fio_gbps else None, '.2f')} | 1.00 | | | |")
         else:
             notes.append(f"{kind}: no load-ceiling run succeeded: no ratios to fio or to the ceiling.")
+        pairs = round_pairs(by_round, round_fio)
+        for label, v in pairs.items():
+            pair_lines.append(
+                f"| {kind} | {label} | {v['median']:.3f} | {v['min']:.2f}-{v['max']:.2f} | {v['above_one']}/{v['rounds']} |"
+            )
         summary["kinds"][kind] = {
+            "round_pairs": pairs,
             "round_load_ceiling_gbps": round_ceiling,
             "round_fio_gbps": round_fio,
             "load_ceiling_gbps": ceiling_gbps,
@@ -210,6 +267,9 @@ def main():
     for f in failures:
         notes.append("failed: " + " ".join(f))
     text = "\n".join(lines) + "\n"
+    if len(pair_lines) > 2:
+        text += "\nRatios of two arms in the same round (medians over the rounds where both ran):\n\n"
+        text += "\n".join(pair_lines) + "\n"
     if notes:
         text += "\n" + "\n".join(f"- {n}" for n in notes) + "\n"
     with open(f"{out}/summary.json", "w") as f:
