@@ -31,7 +31,7 @@
 #                         of 12 second reads slower than the first)
 #        weightstream-faulted  weightstream load MODEL_DIR --json --memory
 #                         faulted: Engine::load_all_into a registered arena
-#                         faulted in by MADV_POPULATE_WRITE, never read
+#                         faulted in by a write to every page, never read
 #                         into: the timed load is the files' first read
 #                         after the cold step, as each round's fio is;
 #                         judged against fio's best

@@ -196,8 +196,8 @@ pub(crate) enum Cmd {
         /// fresh: the load's own new mapping (what a start-up load pays: every page faulted in). reused: into
         /// memory the engine already has and has written (a registered arena of Engine::load_bytes, loaded into
         /// once untimed, then Engine::load_all_into timed: an engine reloading weights into its own buffers;
-        /// the timed region is that load alone). faulted: into such an arena faulted in by
-        /// MADV_POPULATE_WRITE instead of a first load (the timed load is then the files' first read since
+        /// the timed region is that load alone). faulted: into such an arena faulted in by a
+        /// write to every page instead of a first load (the timed load is then the files' first read since
         /// the cache was dropped, as fio's is). weightstream only.
         #[arg(long, value_enum, default_value = "fresh")]
         memory: LoadMemory,
@@ -421,8 +421,8 @@ pub(crate) enum LoadMemory {
     Fresh,
     /// `Engine::load_all_into` memory a previous load wrote.
     Reused,
-    /// `Engine::load_all_into` memory already faulted in
-    /// (`MADV_POPULATE_WRITE`) but never read into.
+    /// `Engine::load_all_into` memory already faulted in (a write to
+    /// every page) but never read into.
     Faulted,
 }
 

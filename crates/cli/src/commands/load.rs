@@ -187,9 +187,9 @@ pub(crate) fn load(dir: &Path, args: &LoadArgs, engine_args: &EngineArgs, layout
                     engine.load_all_into(&opts, &memory)?
                 }
                 LoadMemory::Faulted => {
-                    // Registered and populated (every page faulted in by
-                    // MADV_POPULATE_WRITE, untimed): memory the caller
-                    // has, with no earlier read of the files.
+                    // Populated (a write to every page, untimed) and
+                    // registered: memory the caller has, with no earlier
+                    // read of the files.
                     memory = engine.packed_arena(engine.load_bytes(&opts)?, true).map_err(flags)?;
                     cpu0 = crate::ceiling::process_cpu_seconds();
                     t0 = Instant::now();
