@@ -229,19 +229,15 @@ impl Engine {
         self.origin.check()?;
         let len = usize::try_from(tensor.len)
             .map_err(|_| Error::Config(format!("tensor {}: {} bytes do not fit usize", tensor.name, tensor.len)))?;
-        let end = at.checked_add(len).filter(|&e| e <= memory.bytes()).ok_or_else(|| {
-            Error::Config(format!(
-                "tensor {}: bytes [{at}, {at} + {len}) are outside the {}-byte memory",
-                tensor.name,
-                memory.bytes()
-            ))
-        })?;
-        if !memory.is_packed() {
-            return Err(Error::Config(format!(
-                "tensor {}: read_into needs memory from Engine::register_memory, Engine::lend or Engine::packed_arena, not an arena of fixed slots (use Engine::read with Arena::take)",
-                tensor.name
-            )));
-        }
+        let dest = Destination {
+            call: "read_into",
+            fixed_slots: " (use Engine::read with Arena::take)",
+            name: &tensor.name,
+            what: "bytes",
+            at,
+            len,
+        };
+        dest.check(memory)?;
         let align = self.direct_align();
         let spec = SlotSpec::new(len).with_align(align);
         let pad = (tensor.offset % align as u64) as usize;
@@ -254,12 +250,7 @@ impl Engine {
             }
         }
         // Exactly the payload's bytes, whatever goes around them.
-        let dest = memory.take_at(at, len, spec, true).ok_or_else(|| {
-            Error::Config(format!(
-                "tensor {}: bytes [{at}, {end}) of the memory overlap a slot in use (a read in flight or a Loaded still held)",
-                tensor.name
-            ))
-        })?;
+        let dest = dest.take(memory, spec)?;
         if !direct || len == 0 {
             // Buffered into place: the refusal is counted when it is planned.
             return self.read(tensor, dest);
@@ -671,6 +662,62 @@ impl std::ops::Deref for LentLoaded<'_> {
 impl std::fmt::Debug for LentLoaded<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         self.loaded.fmt(f)
+    }
+}
+
+/// Where a caller placed a read in packed memory: bytes `[at, at + len)`
+/// for `call` (its name, for the messages) of tensor `name` (`what`: the
+/// bytes' kind in the messages; `fixed_slots`: what to use instead with
+/// an arena of fixed slots, or nothing). The checks `read_into` and
+/// `read_slice` share.
+pub(super) struct Destination<'a> {
+    pub(super) call: &'static str,
+    pub(super) fixed_slots: &'static str,
+    pub(super) name: &'a str,
+    pub(super) what: &'static str,
+    pub(super) at: usize,
+    pub(super) len: usize,
+}
+
+impl Destination<'_> {
+    /// The bytes lie inside `memory`, and `memory` is packed (a caller
+    /// places reads only there).
+    pub(super) fn check(&self, memory: &Arena) -> Result<()> {
+        let Destination {
+            call,
+            fixed_slots,
+            name,
+            what,
+            at,
+            len,
+        } = *self;
+        if at.checked_add(len).is_none_or(|end| end > memory.bytes()) {
+            return Err(Error::Config(format!(
+                "tensor {name}: {what} [{at}, {at} + {len}) are outside the {}-byte memory",
+                memory.bytes()
+            )));
+        }
+        if !memory.is_packed() {
+            return Err(Error::Config(format!(
+                "tensor {name}: {call} needs memory from Engine::register_memory, Engine::lend or Engine::packed_arena, \
+                 not an arena of fixed slots{fixed_slots}"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Exactly these bytes of `memory` as a slot (after [`Self::check`]);
+    /// an error when they overlap a slot in use.
+    pub(super) fn take(&self, memory: &Arena, spec: SlotSpec) -> Result<Slot> {
+        let Destination {
+            name, what, at, len, ..
+        } = *self;
+        memory.take_at(at, len, spec, true).ok_or_else(|| {
+            Error::Config(format!(
+                "tensor {name}: {what} [{at}, {}) of the memory overlap a slot in use (a read in flight or a Loaded still held)",
+                at + len
+            ))
+        })
     }
 }
 

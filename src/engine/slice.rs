@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
-use crate::engine::lend::Scratch;
+use crate::engine::lend::{Destination, Scratch};
 use crate::engine::staging::thread_cpu_ns;
 use crate::engine::ticket::{Loaded, Meta, Ticket};
 use crate::engine::Engine;
@@ -82,27 +82,16 @@ impl Engine {
                 slice.len()
             ))
         })?;
-        let end = at.checked_add(len).filter(|&e| e <= memory.bytes()).ok_or_else(|| {
-            Error::Config(format!(
-                "tensor {}: slice bytes [{at}, {at} + {len}) are outside the {}-byte memory",
-                tensor.name,
-                memory.bytes()
-            ))
-        })?;
-        if !memory.is_packed() {
-            return Err(Error::Config(format!(
-                "tensor {}: read_slice needs memory from Engine::register_memory, Engine::lend or Engine::packed_arena, not an arena of fixed slots",
-                tensor.name
-            )));
-        }
-        let dest = memory
-            .take_at(at, len, SlotSpec::new(len).with_align(align), true)
-            .ok_or_else(|| {
-                Error::Config(format!(
-                    "tensor {}: slice bytes [{at}, {end}) of the memory overlap a slot in use (a read in flight or a Loaded still held)",
-                    tensor.name
-                ))
-            })?;
+        let dest = Destination {
+            call: "read_slice",
+            fixed_slots: "",
+            name: &tensor.name,
+            what: "slice bytes",
+            at,
+            len,
+        };
+        dest.check(memory)?;
+        let dest = dest.take(memory, SlotSpec::new(len).with_align(align))?;
         let mut parts = VecDeque::with_capacity(plan.pieces.len());
         for p in &plan.pieces {
             let piece = TensorRef {
