@@ -171,26 +171,22 @@ pub(crate) fn load(dir: &Path, args: &LoadArgs, engine_args: &EngineArgs, layout
             let flags = |e| alloc_flags(e, "--name selects the tensors loaded, --align pads them");
             loaded = match args.memory {
                 LoadMemory::Fresh => engine.load_all(&opts).map_err(flags)?,
-                LoadMemory::Reused => {
+                LoadMemory::Reused | LoadMemory::Faulted => {
                     // Registered: memory kept for reloads pays its pinning
                     // once, then every read is a fixed-buffer read (zram,
                     // where the CPU is the limit: 1.02 of fio's run against
-                    // 0.87 unregistered, 6 interleaved rounds).
-                    memory = engine.packed_arena(engine.load_bytes(&opts)?, false).map_err(flags)?;
-                    // The engine's previous load: it writes (faults in)
-                    // every page of the memory, untimed.
-                    let first = engine.load_all_into(&opts, &memory)?;
-                    first_load_seconds = Some(first.report().seconds);
-                    drop(first);
-                    cpu0 = crate::ceiling::process_cpu_seconds();
-                    t0 = Instant::now();
-                    engine.load_all_into(&opts, &memory)?
-                }
-                LoadMemory::Faulted => {
-                    // Populated (a write to every page, untimed) and
-                    // registered: memory the caller has, with no earlier
-                    // read of the files.
-                    memory = engine.packed_arena(engine.load_bytes(&opts)?, true).map_err(flags)?;
+                    // 0.87 unregistered, 6 interleaved rounds). Faulted:
+                    // populated first (a write to every page, untimed).
+                    let faulted = args.memory == LoadMemory::Faulted;
+                    memory = engine.packed_arena(engine.load_bytes(&opts)?, faulted).map_err(flags)?;
+                    if !faulted {
+                        // Reused: the engine's previous load writes every
+                        // page of the memory, untimed; the timed load is
+                        // the files' second read in a row.
+                        let first = engine.load_all_into(&opts, &memory)?;
+                        first_load_seconds = Some(first.report().seconds);
+                        drop(first);
+                    }
                     cpu0 = crate::ceiling::process_cpu_seconds();
                     t0 = Instant::now();
                     engine.load_all_into(&opts, &memory)?
