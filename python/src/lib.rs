@@ -259,10 +259,11 @@ fn read_once_arena(engine: &ws::Engine, bytes: usize) -> ws::Result<ws::Arena> {
     ws::Arena::packed(bytes, engine.model().required_align(), false)
 }
 
-/// [`read_once_arena`] with room for `t` alone.
+/// [`read_once_arena`] with room for `t` alone: exactly its blocks
+/// (`Engine::placement_bytes`; an arena sized for the ring bound,
+/// `Arena::packed_bytes_for`, would map twice the tensor).
 fn read_once_arena_for(engine: &ws::Engine, t: &ws::TensorRef) -> ws::Result<ws::Arena> {
-    let bytes = ws::Arena::packed_bytes_for(&[t], 1, engine.model().required_align())?;
-    read_once_arena(engine, bytes)
+    read_once_arena(engine, engine.placement_bytes(&[t])?)
 }
 
 /// Reads `part` into memory nothing else holds: a slot of `shared` (the
@@ -765,10 +766,7 @@ impl Stream {
                         if t.len == 0 {
                             return Ok(None);
                         }
-                        // Exactly the tensor's blocks (an arena sized
-                        // for the ring bound would hold twice the tensor).
-                        let arena = read_once_arena(&self.engine, self.engine.placement_bytes(&[&t])?)?;
-                        let slot = arena.take_for(&t)?;
+                        let slot = read_once_arena_for(&self.engine, &t)?.take_for(&t)?;
                         Ok(Some(self.engine.read(&t, slot)?.into()))
                     })();
                     (meta, ticket)
