@@ -69,7 +69,8 @@ def round_pairs(by_round, round_fio):
     """Per-round ratios the issues judge, each over the rounds where both
     sides ran: the Python load against the command (as measured, and less
     arm.py's touch, which the command does not pay), either load against
-    the fastest peer of its round, safe_open + get_tensor against
+    the fastest peer of its round and each peer alone, the command
+    against the bare fresh_read.c, safe_open + get_tensor against
     safetensors, and the loads into memory that is no longer fresh against
     the round's fio."""
     def secs(arm, r, less_touch=False):
@@ -88,7 +89,14 @@ def round_pairs(by_round, round_fio):
         ("weightstream.load (Python) less arm.py's touch / weightstream load",
          lambda r: (secs("weightstream", r), secs("ws-py-load", r, True)
                     if by_round.get("ws-py-load", {}).get(r, {}).get("touch_seconds") is not None else None)),
+        # The fastest of three noisy draws beats one draw of a loader just
+        # as fast more often than not: so each peer alone too, paired.
         ("weightstream load / fastest peer", lambda r: (fastest_peer(r), secs("weightstream", r))),
+        *((f"weightstream load / {peer}", (lambda peer: lambda r: (secs(peer, r), secs("weightstream", r)))(peer))
+          for peer in PEERS),
+        # The bare O_DIRECT read into fresh memory (not a loader): what the
+        # load's own work costs beyond the read and the fault-in.
+        ("weightstream load / fresh-read.c", lambda r: (secs("fresh-read", r), secs("weightstream", r))),
         ("weightstream.load (Python) / fastest peer", lambda r: (fastest_peer(r), secs("ws-py-load", r))),
         ("safe_open + get_tensor / safetensors", lambda r: (secs("safetensors", r), secs("ws-py-safeopen", r))),
     ]
@@ -116,6 +124,7 @@ def main():
         sys.exit(__doc__)
     out = sys.argv[1]
     meta = load(f"{out}/meta.json") if os.path.exists(f"{out}/meta.json") else {}
+    cpus = int(meta.get("cpus") or os.cpu_count() or 1)
     ws = sys.argv[2] if len(sys.argv) > 2 else meta.get("weightstream")
     runs_re = re.compile(r"^([a-z0-9]+)-([a-z]+(?:-[a-z]+)?)-([1-9][0-9]*)\.json$")
     found = [m.groups() for m in (runs_re.match(os.path.basename(p)) for p in glob.glob(f"{out}/*.json")) if m]
@@ -169,7 +178,12 @@ def main():
                 continue
             med = lambda f: statistics.median(f(v) for v in rs)
             gb = [v["gbps"] for v in rs]
-            busy = [v["busy_cpu_seconds"] / (v["bytes"] / 1e9) for v in rs if "busy_cpu_seconds" in v]
+            busy = [v["busy_cpu_seconds"] / (v["bytes"] / 1e9) for v in rs if v.get("busy_cpu_seconds") is not None]
+            # The host's steal over each run's timed region, as a share of
+            # the machine's CPU time then (records before steal was kept
+            # have none).
+            steal = [v["steal_seconds"] / (v["seconds"] * cpus) for v in rs
+                     if v.get("steal_seconds") is not None and v["seconds"] > 0]
             p = {
                 "runs": len(rs),
                 "failed": failed,
@@ -182,6 +196,8 @@ def main():
                 "seconds": med(lambda v: v["seconds"]),
                 "cpu_seconds_per_gb": med(lambda v: v["cpu_seconds_per_gb"]),
                 "busy_cpu_seconds_per_gb": statistics.median(busy) if busy else None,
+                "steal_share": statistics.median(steal) if steal else None,
+                "steal_share_max": max(steal) if steal else None,
                 "peak_rss_over_baseline_per_model": med(lambda v: over_baseline(v) / v["bytes"]),
                 "peak_rss_bytes": med(lambda v: v["peak_rss_bytes"]),
                 "x_fio_best": None,
@@ -233,6 +249,15 @@ def main():
             lines.append(f"| {kind} | load ceiling of the sweeps ({best['bound']} bound; better of before and after) | {ceiling_gbps:.3f} | {min(v['gbps'] for v in ceilings):.2f}-{max(v['gbps'] for v in ceilings):.2f} | {len(ceilings)}/2 | | | {fmt(ceiling_gbps / fio_gbps if fio_gbps else None, '.2f')} | 1.00 | | | |")
         else:
             notes.append(f"{kind}: no load-ceiling run succeeded: no ratios to fio or to the ceiling.")
+        stolen = {a: p for a, p in per.items() if p.get("steal_share") is not None}
+        if stolen:
+            worst = max(stolen.items(), key=lambda kv: kv[1]["steal_share_max"])
+            notes.append(
+                f"{kind}: the host's steal over the arms' timed regions: a median "
+                f"{statistics.median(p['steal_share'] for p in stolen.values()):.1%} of the machine's CPU time, "
+                f"at most {worst[1]['steal_share_max']:.1%} ({worst[0]}); a figure taken under steal was paced "
+                "by the host's other tenants too"
+            )
         pairs = round_pairs(by_round, round_fio)
         for label, v in pairs.items():
             pair_lines.append(

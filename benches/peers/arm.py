@@ -52,7 +52,9 @@ about 16 ms for the 1.85 GB reference model, which `weightstream load`
 does not pay), cpu_seconds (getrusage RUSAGE_SELF user +
 sys over the timed region, every thread), cpu_seconds_per_gb,
 busy_cpu_seconds (the whole machine's, /proc/stat user + nice + system +
-irq + softirq + steal over the timed region), peak_rss_bytes (ru_maxrss),
+irq + softirq + steal over the timed region), steal_seconds (of that, the
+host's steal: this VM's CPUs runnable while the host ran something else),
+peak_rss_bytes (ru_maxrss),
 rss_baseline_bytes, peak_rss_over_baseline_bytes, rss_anon_bytes and
 rss_file_bytes (RssAnon / RssFile when the clock stopped: a mapped
 loader's tensors are file pages), page_cache_growth_bytes (Cached of
@@ -97,13 +99,14 @@ def status_bytes(field):
 
 
 def busy_ticks():
-    """The machine's busy CPU time, clock ticks: user + nice + system + irq
-    + softirq + steal of /proc/stat's `cpu` line (idle and iowait left out;
-    guest time is already inside user)."""
+    """The machine's busy CPU time and, of it, the host's steal, clock
+    ticks: user + nice + system + irq + softirq + steal of /proc/stat's
+    `cpu` line (idle and iowait left out; guest time is already inside
+    user), and steal alone."""
     with open("/proc/stat") as f:
         v = [int(x) for x in f.readline().split()[1:]]
     user, nice, system, _idle, _iowait, irq, softirq, steal = (v + [0] * 8)[:8]
-    return user + nice + system + irq + softirq + steal
+    return user + nice + system + irq + softirq + steal, steal
 
 
 def page_cache_bytes():
@@ -311,7 +314,8 @@ def main():
     t_end = time.perf_counter()
     seconds, touch_seconds = t_end - t0, t_end - t_touch
     cpu = cpu_seconds() - cpu0
-    busy = (busy_ticks() - busy0) / os.sysconf("SC_CLK_TCK")
+    busy1 = busy_ticks()
+    busy, steal = ((b - a) / os.sysconf("SC_CLK_TCK") for a, b in zip(busy0, busy1))
     cache = page_cache_bytes() - cache0
     rss_anon = status_bytes("RssAnon")
     rss_file = status_bytes("RssFile") + status_bytes("RssShmem")
@@ -352,6 +356,7 @@ def main():
         "cpu_seconds": cpu,
         "cpu_seconds_per_gb": cpu / gb if gb else None,
         "busy_cpu_seconds": busy,
+        "steal_seconds": steal,
         "peak_rss_bytes": peak,
         "rss_baseline_bytes": rss0,
         "peak_rss_over_baseline_bytes": peak - rss0,

@@ -66,6 +66,12 @@ fn every_method_loads_the_reference_bytes() {
         assert_eq!(sums(&v), want, "{extra:?}");
         assert_eq!(v["tensors"].as_u64(), Some(total), "{extra:?}");
         assert!(v["seconds"].as_f64().unwrap() > 0.0 && v["peak_rss_bytes"].as_u64().unwrap() > 0);
+        // The machine's busy CPU over the timed region holds its steal.
+        let (busy, steal) = (
+            v["busy_cpu_seconds"].as_f64().unwrap(),
+            v["steal_seconds"].as_f64().unwrap(),
+        );
+        assert!(busy >= 0.0 && (0.0..=busy).contains(&steal), "{v}");
         if !extra.contains(&"--method") {
             assert_eq!(v["method"], "weightstream");
             let r = &v["report"];

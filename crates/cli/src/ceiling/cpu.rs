@@ -60,6 +60,25 @@ pub fn machine_busy_seconds() -> Option<f64> {
 
 /// What [`machine_busy_seconds`] reads from `/proc/stat`'s text.
 pub fn busy_seconds_of(stat: &str, ticks_per_second: f64) -> Option<f64> {
+    cpu_line_of(stat, ticks_per_second).map(|t| t.busy)
+}
+
+/// Steal seconds of the whole machine since boot, every CPU summed: time a
+/// virtual machine's CPUs were runnable and its host ran something else
+/// (part of [`machine_busy_seconds`]). A figure taken while steal grew was
+/// paced by the host's other tenants too. `None` without `/proc/stat`.
+pub fn machine_steal_seconds() -> Option<f64> {
+    let text = std::fs::read_to_string("/proc/stat").ok()?;
+    cpu_line_of(&text, clock_ticks_per_second()).map(|t| t.steal)
+}
+
+/// Seconds of `/proc/stat`'s summary `cpu` line that the measurements use.
+struct CpuLine {
+    busy: f64,
+    steal: f64,
+}
+
+fn cpu_line_of(stat: &str, ticks_per_second: f64) -> Option<CpuLine> {
     let line = stat.lines().find(|l| l.starts_with("cpu "))?;
     let v: Vec<u64> = line.split_whitespace().skip(1).map_while(|x| x.parse().ok()).collect();
     // user nice system idle iowait irq softirq steal [guest guest_nice]
@@ -67,7 +86,10 @@ pub fn busy_seconds_of(stat: &str, ticks_per_second: f64) -> Option<f64> {
         return None;
     }
     let busy = v[0] + v[1] + v[2] + v[5] + v[6] + v[7];
-    Some(busy as f64 / ticks_per_second)
+    Some(CpuLine {
+        busy: busy as f64 / ticks_per_second,
+        steal: v[7] as f64 / ticks_per_second,
+    })
 }
 
 fn clock_ticks_per_second() -> f64 {
@@ -117,6 +139,12 @@ mod tests {
             "the summary line only"
         );
         assert_eq!(busy_seconds_of("cpu  1 2 3\n", 100.0), None, "too few columns");
+        assert_eq!(
+            cpu_line_of(stat, 100.0).map(|t| t.steal),
+            Some(0.08),
+            "the eighth column"
+        );
+        assert!(machine_steal_seconds().is_some_and(|s| s >= 0.0));
         assert!(machine_busy_seconds().is_some_and(|s| s > 0.0));
         assert_eq!(machine_cpus_of(stat), 1);
         assert_eq!(machine_cpus_of("cpu  1\ncpu0 1\ncpu1 1\ncpu12 1\nintr 1\n"), 3);

@@ -68,6 +68,16 @@ struct LoadRecord {
     /// included).
     cpu_seconds: f64,
     cpu_seconds_per_gb: f64,
+    /// The whole machine's busy CPU seconds over the timed region
+    /// (`/proc/stat`, every CPU): the kernel threads that work for the
+    /// reads (a memloop drive's loop worker) count here and not in
+    /// `cpu_seconds`; so does anything else running. `None` without
+    /// `/proc/stat`.
+    busy_cpu_seconds: Option<f64>,
+    /// Of `busy_cpu_seconds`: the host's steal (a virtual machine's CPUs
+    /// runnable while its host ran something else). Large steal means the
+    /// figure was paced by other tenants as well as by this load.
+    steal_seconds: Option<f64>,
     /// Peak resident set of the process (ru_maxrss), over its whole life.
     peak_rss_bytes: u64,
     /// Resident set when the timed region started (the binary, its heap).
@@ -99,7 +109,14 @@ pub(crate) fn load(dir: &Path, args: &LoadArgs, engine_args: &EngineArgs, layout
     }
     let cache0 = page_cache_bytes();
     let rss0 = current_rss_bytes();
+    let machine = || {
+        (
+            crate::ceiling::machine_busy_seconds(),
+            crate::ceiling::machine_steal_seconds(),
+        )
+    };
     let mut cpu0 = crate::ceiling::process_cpu_seconds();
+    let mut machine0 = machine();
     let mut t0 = Instant::now();
     let model = Model::open(layout.config(dir, None)?)?;
     let _said = crate::warnings::Watch(|| model.warnings());
@@ -188,6 +205,7 @@ pub(crate) fn load(dir: &Path, args: &LoadArgs, engine_args: &EngineArgs, layout
                         drop(first);
                     }
                     cpu0 = crate::ceiling::process_cpu_seconds();
+                    machine0 = machine();
                     t0 = Instant::now();
                     engine.load_all_into(&opts, &memory)?
                 }
@@ -248,6 +266,8 @@ pub(crate) fn load(dir: &Path, args: &LoadArgs, engine_args: &EngineArgs, layout
     };
     let seconds = t0.elapsed().as_secs_f64();
     let cpu_seconds = crate::ceiling::process_cpu_seconds() - cpu0;
+    let machine1 = machine();
+    let since = |a: Option<f64>, b: Option<f64>| Some((b? - a?).max(0.0));
     let peak_rss_bytes = crate::ceiling::peak_rss_bytes();
     let page_cache_growth_bytes = page_cache_bytes() - cache0;
     bar.finish();
@@ -265,6 +285,8 @@ pub(crate) fn load(dir: &Path, args: &LoadArgs, engine_args: &EngineArgs, layout
         engine_seconds,
         cpu_seconds,
         cpu_seconds_per_gb: cpu_seconds / (bytes as f64 / 1e9).max(1e-9),
+        busy_cpu_seconds: since(machine0.0, machine1.0),
+        steal_seconds: since(machine0.1, machine1.1),
         peak_rss_bytes,
         rss_start_bytes: rss0,
         page_cache_growth_bytes,
@@ -309,6 +331,13 @@ fn print_record(r: &LoadRecord) {
         r.peak_rss_bytes as f64 / (r.bytes.max(1)) as f64,
         r.page_cache_growth_bytes as f64 / 1e9,
     );
+    if let (Some(busy), Some(steal)) = (r.busy_cpu_seconds, r.steal_seconds) {
+        println!(
+            "  the machine meanwhile: {busy:.2} busy CPU seconds ({:.2} s/GB; loop workers and softirqs included), \
+             of them {steal:.2} the host's steal",
+            busy / gb(r.bytes).max(1e-9)
+        );
+    }
     if let Some(rep) = &r.report {
         println!(
             "  mapping {:.3} s of {:.3} s; faulted in ahead of the reads: {}; {} payloads in place, {} placed (buffered: file offset not aligned as asked); {} bytes mapped",
