@@ -169,7 +169,7 @@ pub use format::experts::{Expert, ExpertLayer, Experts, Projection, MAX_FUSED_EX
 pub use format::slice::{Piece, Run, SlicePlan, TensorSlice, MAX_SLICE_RUNS, SLICE_GAP_BYTES};
 pub use load::{
     load, load_with, LoadOptions, LoadProgress, LoadReport, LoadedModel, Order, TensorStream, TensorView,
-    DEFAULT_LOAD_WINDOW, MAX_LOAD_ALIGN,
+    DEFAULT_LOAD_WINDOW, MAX_FAULT_AHEAD_THREADS, MAX_LOAD_ALIGN,
 };
 pub use memory::{Arena, Slot, SlotSpec, TakeError};
 pub use model::{CopyReport, FileVerdict, Model, VerifyReport};

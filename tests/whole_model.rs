@@ -59,7 +59,15 @@ fn load_all_gives_the_reference_bytes_aligned_for_each_dtype_on_every_backend() 
         .count();
     for backend in common::engine_backend_choices() {
         // The fault-ahead helper racing the reads (on) must change no byte.
-        for (align, ahead) in [(0usize, true), (0, false), (64, true), (4096, false)] {
+        // (alignment, fault ahead, helpers: None for the default count)
+        for (align, ahead, helpers) in [
+            (0usize, true, None),
+            (0, false, None),
+            (64, true, None),
+            (4096, false, None),
+            // Several helpers, each faulting every third 32 MiB piece.
+            (0, true, Some(3)),
+        ] {
             let e = engine(&model, backend);
             // The drives' counters are the model's: compare deltas.
             // A placed payload goes O_DIRECT through staging and one copy
@@ -67,8 +75,16 @@ fn load_all_gives_the_reference_bytes_aligned_for_each_dtype_on_every_backend() 
             // goes buffered, counted as that refusal).
             let placed_stat = |e: &Engine| -> u64 { e.stats().staged.reads };
             let placed_before = placed_stat(&e);
-            let all = e.load_all(&LoadOptions::new().align(align).fault_ahead(ahead)).unwrap();
+            let mut opts = LoadOptions::new().align(align).fault_ahead(ahead);
+            if let Some(n) = helpers {
+                opts = opts.fault_ahead_threads(n);
+            }
+            let all = e.load_all(&opts).unwrap();
             assert_eq!(all.report().faulted_ahead, ahead);
+            assert_eq!(all.report().faulted_ahead, all.report().fault_ahead_threads > 0);
+            if let Some(n) = helpers {
+                assert_eq!(all.report().fault_ahead_threads, n);
+            }
             // Linux >= 5.14 (MADV_POPULATE_WRITE): the helper never gave up.
             assert_eq!(all.report().fault_ahead_refused, None);
             assert_eq!(all.len(), tensors.len());

@@ -89,8 +89,10 @@ pub struct LoadOptions {
     window: Option<usize>,
     populate: bool,
     register: bool,
-    /// `None`: the default (on).
+    /// `None`: the default (on when a CPU is spare).
     fault_ahead: Option<bool>,
+    /// `None`: the default count.
+    fault_ahead_threads: Option<usize>,
 }
 
 impl std::fmt::Debug for LoadOptions {
@@ -104,6 +106,7 @@ impl std::fmt::Debug for LoadOptions {
             .field("window", &self.window_bytes())
             .field("populate", &self.populate)
             .field("fault_ahead", &self.fault_ahead)
+            .field("fault_ahead_threads", &self.fault_ahead_threads)
             .field("register", &self.register)
             .finish()
     }
@@ -114,6 +117,10 @@ impl std::fmt::Debug for LoadOptions {
 /// of at most 4 MiB), small enough that the adaptive router still routes
 /// the later reads by what it has measured.
 pub const DEFAULT_LOAD_WINDOW: usize = 1 << 30;
+
+/// The most fault-ahead helpers a load starts
+/// ([`LoadOptions::fault_ahead_helpers`]).
+pub const MAX_FAULT_AHEAD_THREADS: usize = 16;
 
 /// The largest alignment a load may ask for: the page. A payload lands in
 /// place at `file offset % block` from a page boundary, so an alignment
@@ -185,17 +192,18 @@ impl LoadOptions {
         self
     }
 
-    /// Fault the mapping in on a helper thread while the reads run, ahead
+    /// Fault the mapping in on helper threads while the reads run, ahead
     /// of them in layout order. A page is zero-filled when first touched;
-    /// with the helper that happens beside the reads instead of inside the
-    /// I/O thread's submission of the read landing in it. The helper only
-    /// asks the kernel to allocate pages (`MADV_POPULATE_WRITE`): it writes
-    /// nothing, so it never races a read's bytes. Off: each page is
+    /// with the helpers that happens beside the reads instead of inside the
+    /// I/O thread's submission of the read landing in it. The helpers only
+    /// ask the kernel to allocate pages (`MADV_POPULATE_WRITE`): they write
+    /// nothing, so they never race a read's bytes. How many:
+    /// [`LoadOptions::fault_ahead_helpers`]. Off: each page is
     /// faulted by the read that lands in it.
     ///
     /// Default (not called): on when the machine has a CPU to spare beside
     /// the engine's I/O threads, off when they already use every CPU (a
-    /// drive that completes reads inline gets one ring per CPU: the helper
+    /// drive that completes reads inline gets one ring per CPU: the helpers
     /// would only take CPU from them). Never with
     /// [`LoadOptions::populate`], which faults the mapping in first.
     pub fn fault_ahead(mut self, on: bool) -> Self {
@@ -203,10 +211,44 @@ impl LoadOptions {
         self
     }
 
+    /// Fault ahead on `threads` helpers (0: not at all), instead of the
+    /// default count (see [`LoadOptions::fault_ahead_helpers`]). They take
+    /// the mapping's 32 MiB pieces in turn, so together they advance one
+    /// front in layout order. Never with [`LoadOptions::populate`].
+    pub fn fault_ahead_threads(mut self, threads: usize) -> Self {
+        self.fault_ahead_threads = Some(threads.min(MAX_FAULT_AHEAD_THREADS));
+        self
+    }
+
     /// Whether a load with `io_threads` I/O threads on `cpus` CPUs faults
     /// the mapping in ahead of its reads (see [`LoadOptions::fault_ahead`]).
     pub fn faults_ahead(&self, io_threads: usize, cpus: usize) -> bool {
-        !self.populate && self.fault_ahead.unwrap_or(cpus > io_threads)
+        self.fault_ahead_helpers(io_threads, cpus, 1) > 0
+    }
+
+    /// How many helper threads a load with `io_threads` I/O threads on
+    /// `cpus` CPUs, reading from `drives` drives, faults its mapping in
+    /// with (0: none). As asked with [`LoadOptions::fault_ahead_threads`];
+    /// otherwise, when faulting ahead ([`LoadOptions::fault_ahead`]), the
+    /// CPUs the I/O threads leave spare (at least 1 when asked on), at
+    /// most two per drive and [`MAX_FAULT_AHEAD_THREADS`]. Why that many: a
+    /// core zero-fills fresh memory at about 3-10 GB/s (huge pages; 2.8-4.5
+    /// on the development VM, measured by `weightstream load-ceiling`), and
+    /// one NVMe drive reads up to 7-14 GB/s, so one helper would pace a
+    /// load from several drives at one core's clearing rate.
+    pub fn fault_ahead_helpers(&self, io_threads: usize, cpus: usize, drives: usize) -> usize {
+        if self.populate {
+            return 0;
+        }
+        if let Some(n) = self.fault_ahead_threads {
+            return n;
+        }
+        let spare = cpus.saturating_sub(io_threads);
+        let on = self.fault_ahead.unwrap_or(spare > 0);
+        if !on {
+            return 0;
+        }
+        spare.clamp(1, (2 * drives.max(1)).min(MAX_FAULT_AHEAD_THREADS))
     }
 
     /// Register the mapping with the rings as fixed buffers before reading
@@ -366,4 +408,51 @@ pub fn load_with(dir: impl Into<PathBuf>, opts: &LoadOptions) -> Result<LoadedMo
 /// sub-byte dtypes), a power of two for every dtype.
 pub(crate) fn element_align(dtype: Dtype) -> usize {
     ((dtype.bits() / 8).max(1) as usize).next_power_of_two()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fault_ahead_helpers_take_the_spare_cpus_at_most_two_per_drive() {
+        let auto = LoadOptions::new();
+        // (I/O threads, CPUs, drives) -> helpers
+        assert_eq!(
+            auto.fault_ahead_helpers(1, 2, 1),
+            1,
+            "the development VM: one spare CPU"
+        );
+        assert_eq!(auto.fault_ahead_helpers(2, 2, 1), 0, "no CPU spare: off");
+        assert_eq!(auto.fault_ahead_helpers(4, 128, 4), 8, "two per drive");
+        assert_eq!(auto.fault_ahead_helpers(8, 256, 16), MAX_FAULT_AHEAD_THREADS);
+        assert_eq!(auto.fault_ahead_helpers(1, 3, 8), 2, "no more than the spare CPUs");
+        assert_eq!(auto.fault_ahead_helpers(1, 8, 0), 2, "no drive counts as one");
+        let on = LoadOptions::new().fault_ahead(true);
+        assert_eq!(on.fault_ahead_helpers(2, 2, 1), 1, "asked on with no CPU spare: one");
+        assert_eq!(LoadOptions::new().fault_ahead(false).fault_ahead_helpers(1, 64, 4), 0);
+        assert_eq!(
+            LoadOptions::new().fault_ahead_threads(3).fault_ahead_helpers(2, 2, 1),
+            3
+        );
+        assert_eq!(
+            LoadOptions::new().fault_ahead_threads(0).fault_ahead_helpers(1, 64, 4),
+            0
+        );
+        assert_eq!(
+            LoadOptions::new()
+                .fault_ahead_threads(1000)
+                .fault_ahead_helpers(1, 2, 1),
+            MAX_FAULT_AHEAD_THREADS
+        );
+        assert_eq!(
+            LoadOptions::new()
+                .fault_ahead_threads(4)
+                .populate(true)
+                .fault_ahead_helpers(1, 64, 4),
+            0,
+            "populated first: nothing to fault ahead"
+        );
+        assert!(auto.faults_ahead(1, 2) && !auto.faults_ahead(2, 2));
+    }
 }

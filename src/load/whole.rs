@@ -51,13 +51,18 @@ pub struct LoadReport {
     /// Whether the load went into memory the caller gave
     /// ([`Engine::load_all_into`]) rather than a mapping of its own.
     pub given_memory: bool,
-    /// Whether a helper thread faulted the mapping in beside the reads
+    /// Whether helper threads faulted the mapping in beside the reads
     /// ([`LoadOptions::fault_ahead`]).
     pub faulted_ahead: bool,
-    /// How long that helper took to fault in the whole mapping (0 when it
-    /// did not run; it stops early when the load fails).
+    /// How many helper threads did ([`LoadOptions::fault_ahead_helpers`];
+    /// fewer when a thread could not be started, said in
+    /// `fault_ahead_refused`).
+    pub fault_ahead_threads: usize,
+    /// How long the helpers took to fault in the whole mapping, the
+    /// slowest one's time (0 when none ran; they stop early when the load
+    /// fails).
     pub fault_ahead_seconds: f64,
-    /// Why the helper did not fault the whole mapping in, when it was
+    /// Why the helpers did not fault the whole mapping in, when it was
     /// meant to (no thread could be started, or the kernel refused
     /// `MADV_POPULATE_WRITE`: Linux before 5.14); the reads then fault
     /// their own pages. Warned once per process too.
@@ -256,8 +261,8 @@ impl Engine {
     /// last partial block read O_DIRECT too); any other is read O_DIRECT
     /// into the engine's staging and copied to an aligned address (counted
     /// in `Stats::staged`, and in [`LoadReport::placed`]). The mapping is not
-    /// populated or registered up front (unless asked): a helper thread
-    /// faults it in ahead of the reads, beside them
+    /// populated or registered up front (unless asked): helper threads
+    /// fault it in ahead of the reads, beside them
     /// ([`LoadOptions::fault_ahead`]).
     ///
     /// Reads are submitted ahead up to a window of bytes, so every drive
@@ -401,19 +406,34 @@ impl Engine {
         let stop = AtomicBool::new(false);
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
         // Memory given to the load is the caller's: never advised here.
-        let faults_ahead = memory.is_none() && opts.faults_ahead(self.io_threads(), cpus);
-        let (read, (fault_ahead_seconds, fault_ahead_refused)) = std::thread::scope(|scope| {
+        let helpers = if memory.is_none() {
+            opts.fault_ahead_helpers(self.io_threads(), cpus, self.model().drives().len())
+        } else {
+            0
+        };
+        let (read, (fault_ahead_threads, fault_ahead_seconds, fault_ahead_refused)) = std::thread::scope(|scope| {
             let mut refused = None;
-            let helper = faults_ahead
-                .then(|| {
-                    std::thread::Builder::new()
-                        .name("ws-fault-ahead".into())
-                        .spawn_scoped(scope, || fault_ahead(arena, plan.bytes, &stop))
-                        .map_err(|e| refused = Some(format!("no fault-ahead thread: {e}")))
-                        .ok()
-                })
-                .flatten();
-            // Stops the helper however the reads end (an error, or a panic
+            let mut started = Vec::with_capacity(helpers);
+            for k in 0..helpers {
+                let stop = &stop;
+                match std::thread::Builder::new()
+                    .name(format!("ws-fault-ahead{k}"))
+                    .spawn_scoped(scope, move || {
+                        fault_ahead(arena, Stripe::of(plan.bytes, k, helpers), stop)
+                    }) {
+                    Ok(h) => started.push(h),
+                    Err(e) => {
+                        // The pieces of the helpers that did not start are
+                        // faulted by the reads that land in them.
+                        refused = Some(format!(
+                            "{} of {helpers} fault-ahead thread(s) started: {e}",
+                            started.len()
+                        ));
+                        break;
+                    }
+                }
+            }
+            // Stops the helpers however the reads end (an error, or a panic
             // in the caller's progress callback unwinding through here).
             struct Stop<'a>(&'a AtomicBool);
             impl Drop for Stop<'_> {
@@ -432,7 +452,13 @@ impl Engine {
                 t0,
             );
             drop(guard);
-            let (secs, why) = helper.map_or((0.0, refused), |h| h.join().unwrap_or((0.0, None)));
+            let threads = started.len();
+            let (mut secs, mut why) = (0.0f64, refused);
+            for h in started {
+                let (s, w) = h.join().unwrap_or((0.0, None));
+                secs = secs.max(s);
+                why = why.or(w);
+            }
             if let Some(why) = &why {
                 static WARNED: std::sync::Once = std::sync::Once::new();
                 WARNED.call_once(|| {
@@ -441,7 +467,7 @@ impl Engine {
                     )
                 });
             }
-            (read, (secs, why))
+            (read, (threads, secs, why))
         });
         read?;
         let tensors: Vec<Loaded> = landed.into_iter().map(|l| l.expect("every tensor landed")).collect();
@@ -471,7 +497,8 @@ impl Engine {
                 populated: memory.is_none() && opts.populate,
                 registered: self.is_registered(arena),
                 given_memory: memory.is_some(),
-                faulted_ahead: faults_ahead,
+                faulted_ahead: fault_ahead_threads > 0,
+                fault_ahead_threads,
                 fault_ahead_seconds,
                 fault_ahead_refused,
             },
@@ -593,17 +620,44 @@ impl Drop for Drain {
     }
 }
 
-/// Faults `arena`'s first `bytes` in, in order, a piece at a time, until
-/// done or `stop`; returns the seconds it took, and why it gave up when
-/// the kernel refused. The layout places tensors in the order they are
-/// read, so this runs ahead of the reads.
-fn fault_ahead(arena: &Arena, bytes: usize, stop: &AtomicBool) -> (f64, Option<String>) {
+/// One fault-ahead helper's share of the mapping's first `bytes`: pieces
+/// `k`, `k + n`, `k + 2n`, ... of [`Stripe::PIECE`] bytes, so `n` helpers
+/// advance one front in layout order together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Stripe {
+    bytes: usize,
+    k: usize,
+    n: usize,
+}
+
+impl Stripe {
     /// Small enough to stop soon, large enough to be one call per 16 huge pages.
-    const STEP: usize = 32 << 20;
+    const PIECE: usize = 32 << 20;
+
+    fn of(bytes: usize, k: usize, n: usize) -> Self {
+        Stripe { bytes, k, n: n.max(1) }
+    }
+
+    /// The stripe's pieces as `(offset, len)`, in order.
+    fn pieces(self) -> impl Iterator<Item = (usize, usize)> {
+        (self.k..)
+            .step_by(self.n)
+            .map_while(move |i| i.checked_mul(Self::PIECE).filter(|&at| at < self.bytes))
+            .map(move |at| (at, Self::PIECE.min(self.bytes - at)))
+    }
+}
+
+/// Faults `stripe`'s pieces of `arena` in, in order, until done or `stop`;
+/// returns the seconds it took, and why it gave up when the kernel
+/// refused. The layout places tensors in the order they are read, so the
+/// helpers run ahead of the reads.
+fn fault_ahead(arena: &Arena, stripe: Stripe, stop: &AtomicBool) -> (f64, Option<String>) {
     let t0 = Instant::now();
-    let mut at = 0;
-    while at < bytes && !stop.load(Ordering::Relaxed) {
-        if let Err(e) = arena.populate_range(at, STEP.min(bytes - at)) {
+    for (at, len) in stripe.pieces() {
+        if stop.load(Ordering::Relaxed) {
+            break;
+        }
+        if let Err(e) = arena.populate_range(at, len) {
             // Before Linux 5.14 (EINVAL), or no memory now (the reads will
             // fault, and fail, themselves): the reads fault their pages.
             return (
@@ -611,7 +665,37 @@ fn fault_ahead(arena: &Arena, bytes: usize, stop: &AtomicBool) -> (f64, Option<S
                 Some(format!("MADV_POPULATE_WRITE refused at byte {at} of the mapping: {e}")),
             );
         }
-        at += STEP;
     }
     (t0.elapsed().as_secs_f64(), None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Stripe;
+
+    #[test]
+    fn the_helpers_stripes_cover_the_mapping_once_in_order() {
+        const P: usize = Stripe::PIECE;
+        for bytes in [0, 1, 4096, P - 1, P, P + 1, 5 * P + 12345, 64 * P] {
+            for n in 1..=5 {
+                let mut all: Vec<(usize, usize)> = (0..n).flat_map(|k| Stripe::of(bytes, k, n).pieces()).collect();
+                for k in 0..n {
+                    let mine: Vec<usize> = Stripe::of(bytes, k, n).pieces().map(|p| p.0).collect();
+                    assert!(
+                        mine.windows(2).all(|w| w[1] == w[0] + n * P),
+                        "helper {k} of {n}: in order"
+                    );
+                }
+                all.sort_unstable();
+                let mut at = 0;
+                for (o, len) in all {
+                    assert_eq!(o, at, "{bytes} bytes, {n} helpers: no gap, no overlap");
+                    assert!(len > 0 && len <= P);
+                    at += len;
+                }
+                assert_eq!(at, bytes, "{bytes} bytes, {n} helpers: every byte");
+            }
+        }
+        assert_eq!(Stripe::of(P, 0, 0), Stripe::of(P, 0, 1), "no helper count below 1");
+    }
 }

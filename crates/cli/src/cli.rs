@@ -188,11 +188,15 @@ pub(crate) enum Cmd {
         /// Memory that is reused (--memory reused) is always registered.
         #[arg(long)]
         register: bool,
-        /// A helper thread faulting the mapping in ahead of the reads (weightstream only): auto (when a
+        /// Helper threads faulting the mapping in ahead of the reads (weightstream only): auto (when a
         /// CPU is spare beside the engine's I/O threads), on, or off (each page faulted by the read
         /// landing in it).
         #[arg(long, value_enum, default_value = "auto")]
         fault_ahead: AutoOnOff,
+        /// How many fault-ahead helpers, 0 to 16 (0: none; default: the CPUs the I/O threads leave
+        /// spare, at most two per drive).
+        #[arg(long, value_parser = clap::value_parser!(u8).range(0..=16))]
+        fault_ahead_threads: Option<u8>,
         /// fresh: the load's own new mapping (what a start-up load pays: every page faulted in). reused: into
         /// memory the engine already has and has written (a registered arena of Engine::load_bytes, loaded into
         /// once untimed, then Engine::load_all_into timed: an engine reloading weights into its own buffers;

@@ -33,6 +33,7 @@ pub(crate) struct LoadArgs {
     pub(crate) populate: bool,
     pub(crate) register: bool,
     pub(crate) fault_ahead: Option<bool>,
+    pub(crate) fault_ahead_threads: Option<usize>,
     pub(crate) memory: LoadMemory,
     pub(crate) digest: bool,
     pub(crate) json: bool,
@@ -182,6 +183,9 @@ pub(crate) fn load(dir: &Path, args: &LoadArgs, engine_args: &EngineArgs, layout
                 .names_containing(args.names.iter().cloned());
             if let Some(on) = args.fault_ahead {
                 opts = opts.fault_ahead(on);
+            }
+            if let Some(n) = args.fault_ahead_threads {
+                opts = opts.fault_ahead_threads(n);
             }
             let b = bar.clone();
             opts = opts.progress(move |p| b.set(p.bytes));
@@ -344,7 +348,7 @@ fn print_record(r: &LoadRecord) {
             rep.arena_seconds,
             rep.seconds,
             if rep.faulted_ahead {
-                format!("in {:.3} s", rep.fault_ahead_seconds)
+                format!("in {:.3} s on {} helper(s)", rep.fault_ahead_seconds, rep.fault_ahead_threads)
             } else {
                 "no".to_string()
             },
