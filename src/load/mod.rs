@@ -214,7 +214,9 @@ impl LoadOptions {
     /// Fault ahead on `threads` helpers (0: not at all), instead of the
     /// default count (see [`LoadOptions::fault_ahead_helpers`]). They take
     /// the mapping's 32 MiB pieces in turn, so together they advance one
-    /// front in layout order. Never with [`LoadOptions::populate`].
+    /// front in layout order. At most [`MAX_FAULT_AHEAD_THREADS`] (a larger
+    /// count is taken as that; [`LoadReport::fault_ahead_threads`] says how
+    /// many ran). Never with [`LoadOptions::populate`].
     pub fn fault_ahead_threads(mut self, threads: usize) -> Self {
         self.fault_ahead_threads = Some(threads.min(MAX_FAULT_AHEAD_THREADS));
         self

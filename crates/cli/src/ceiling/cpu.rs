@@ -54,30 +54,29 @@ pub fn process_cpu_seconds() -> f64 {
 /// reads, the block layer's softirqs. Resolution: one clock tick
 /// (`_SC_CLK_TCK`, usually 10 ms) per CPU. `None` without `/proc/stat`.
 pub fn machine_busy_seconds() -> Option<f64> {
+    machine_cpu().map(|t| t.busy)
+}
+
+/// The whole machine's busy and steal seconds since boot, from one read of
+/// `/proc/stat`. `None` without it.
+pub fn machine_cpu() -> Option<CpuLine> {
     let text = std::fs::read_to_string("/proc/stat").ok()?;
-    busy_seconds_of(&text, clock_ticks_per_second())
+    cpu_line_of(&text, clock_ticks_per_second())
 }
 
-/// What [`machine_busy_seconds`] reads from `/proc/stat`'s text.
-pub fn busy_seconds_of(stat: &str, ticks_per_second: f64) -> Option<f64> {
-    cpu_line_of(stat, ticks_per_second).map(|t| t.busy)
+/// Seconds of `/proc/stat`'s summary `cpu` line that the measurements use,
+/// every CPU summed.
+#[derive(Debug, Clone, Copy)]
+pub struct CpuLine {
+    /// As [`machine_busy_seconds`].
+    pub busy: f64,
+    /// Of `busy`: steal, the time a virtual machine's CPUs were runnable
+    /// and its host ran something else. A figure taken while steal grew
+    /// was paced by the host's other tenants too.
+    pub steal: f64,
 }
 
-/// Steal seconds of the whole machine since boot, every CPU summed: time a
-/// virtual machine's CPUs were runnable and its host ran something else
-/// (part of [`machine_busy_seconds`]). A figure taken while steal grew was
-/// paced by the host's other tenants too. `None` without `/proc/stat`.
-pub fn machine_steal_seconds() -> Option<f64> {
-    let text = std::fs::read_to_string("/proc/stat").ok()?;
-    cpu_line_of(&text, clock_ticks_per_second()).map(|t| t.steal)
-}
-
-/// Seconds of `/proc/stat`'s summary `cpu` line that the measurements use.
-struct CpuLine {
-    busy: f64,
-    steal: f64,
-}
-
+/// What [`machine_cpu`] reads from `/proc/stat`'s text.
 fn cpu_line_of(stat: &str, ticks_per_second: f64) -> Option<CpuLine> {
     let line = stat.lines().find(|l| l.starts_with("cpu "))?;
     let v: Vec<u64> = line.split_whitespace().skip(1).map_while(|x| x.parse().ok()).collect();
@@ -132,19 +131,23 @@ mod tests {
     fn busy_time_is_every_column_but_idle_and_iowait() {
         let stat = "cpu  100 2 30 5000 70 4 6 8 50 0\ncpu0 50 1 15 2500 35 2 3 4 25 0\nintr 1 2 3\n";
         // 100 + 2 + 30 + 4 + 6 + 8 = 150 ticks at 100 per second.
-        assert_eq!(busy_seconds_of(stat, 100.0), Some(1.5));
+        assert_eq!(cpu_line_of(stat, 100.0).map(|t| t.busy), Some(1.5));
         assert_eq!(
-            busy_seconds_of("cpu0 1 2 3 4 5 6 7 8\n", 100.0),
+            cpu_line_of("cpu0 1 2 3 4 5 6 7 8\n", 100.0).map(|t| t.busy),
             None,
             "the summary line only"
         );
-        assert_eq!(busy_seconds_of("cpu  1 2 3\n", 100.0), None, "too few columns");
+        assert_eq!(
+            cpu_line_of("cpu  1 2 3\n", 100.0).map(|t| t.busy),
+            None,
+            "too few columns"
+        );
         assert_eq!(
             cpu_line_of(stat, 100.0).map(|t| t.steal),
             Some(0.08),
             "the eighth column"
         );
-        assert!(machine_steal_seconds().is_some_and(|s| s >= 0.0));
+        assert!(machine_cpu().is_some_and(|t| (0.0..=t.busy).contains(&t.steal)));
         assert!(machine_busy_seconds().is_some_and(|s| s > 0.0));
         assert_eq!(machine_cpus_of(stat), 1);
         assert_eq!(machine_cpus_of("cpu  1\ncpu0 1\ncpu1 1\ncpu12 1\nintr 1\n"), 3);

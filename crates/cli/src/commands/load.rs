@@ -110,12 +110,7 @@ pub(crate) fn load(dir: &Path, args: &LoadArgs, engine_args: &EngineArgs, layout
     }
     let cache0 = page_cache_bytes();
     let rss0 = current_rss_bytes();
-    let machine = || {
-        (
-            crate::ceiling::machine_busy_seconds(),
-            crate::ceiling::machine_steal_seconds(),
-        )
-    };
+    let machine = crate::ceiling::machine_cpu;
     let mut cpu0 = crate::ceiling::process_cpu_seconds();
     let mut machine0 = machine();
     let mut t0 = Instant::now();
@@ -271,7 +266,7 @@ pub(crate) fn load(dir: &Path, args: &LoadArgs, engine_args: &EngineArgs, layout
     let seconds = t0.elapsed().as_secs_f64();
     let cpu_seconds = crate::ceiling::process_cpu_seconds() - cpu0;
     let machine1 = machine();
-    let since = |a: Option<f64>, b: Option<f64>| Some((b? - a?).max(0.0));
+    let since = |f: fn(&crate::ceiling::CpuLine) -> f64| Some((f(machine1.as_ref()?) - f(machine0.as_ref()?)).max(0.0));
     let peak_rss_bytes = crate::ceiling::peak_rss_bytes();
     let page_cache_growth_bytes = page_cache_bytes() - cache0;
     bar.finish();
@@ -289,8 +284,8 @@ pub(crate) fn load(dir: &Path, args: &LoadArgs, engine_args: &EngineArgs, layout
         engine_seconds,
         cpu_seconds,
         cpu_seconds_per_gb: cpu_seconds / (bytes as f64 / 1e9).max(1e-9),
-        busy_cpu_seconds: since(machine0.0, machine1.0),
-        steal_seconds: since(machine0.1, machine1.1),
+        busy_cpu_seconds: since(|t| t.busy),
+        steal_seconds: since(|t| t.steal),
         peak_rss_bytes,
         rss_start_bytes: rss0,
         page_cache_growth_bytes,
