@@ -54,7 +54,7 @@ pub fn process_cpu_seconds() -> f64 {
 /// reads, the block layer's softirqs. Resolution: one clock tick
 /// (`_SC_CLK_TCK`, usually 10 ms) per CPU. `None` without `/proc/stat`.
 pub fn machine_busy_seconds() -> Option<f64> {
-    machine_cpu().map(|t| t.busy)
+    machine_cpu().map(|t| t.busy())
 }
 
 /// The whole machine's busy and steal seconds since boot, from one read of
@@ -64,16 +64,33 @@ pub fn machine_cpu() -> Option<CpuLine> {
     cpu_line_of(&text, clock_ticks_per_second())
 }
 
-/// Seconds of `/proc/stat`'s summary `cpu` line that the measurements use,
-/// every CPU summed.
+/// The clock ticks of `/proc/stat`'s summary `cpu` line that the
+/// measurements use, every CPU summed. Kept in ticks so that a difference
+/// of two is exact (seconds since boot in f64 would round one tick of
+/// busy below one tick of steal).
 #[derive(Debug, Clone, Copy)]
 pub struct CpuLine {
+    busy_ticks: u64,
+    steal_ticks: u64,
+    ticks_per_second: f64,
+}
+
+impl CpuLine {
     /// As [`machine_busy_seconds`].
-    pub busy: f64,
-    /// Of `busy`: steal, the time a virtual machine's CPUs were runnable
-    /// and its host ran something else. A figure taken while steal grew
-    /// was paced by the host's other tenants too.
-    pub steal: f64,
+    pub fn busy(&self) -> f64 {
+        self.busy_ticks as f64 / self.ticks_per_second
+    }
+
+    /// Busy seconds from `earlier` to this reading, and of them steal: the
+    /// time a virtual machine's CPUs were runnable and its host ran
+    /// something else (a figure taken while steal grew was paced by the
+    /// host's other tenants too).
+    pub fn since(&self, earlier: &CpuLine) -> (f64, f64) {
+        (
+            self.busy_ticks.saturating_sub(earlier.busy_ticks) as f64 / self.ticks_per_second,
+            self.steal_ticks.saturating_sub(earlier.steal_ticks) as f64 / self.ticks_per_second,
+        )
+    }
 }
 
 /// What [`machine_cpu`] reads from `/proc/stat`'s text.
@@ -84,10 +101,10 @@ fn cpu_line_of(stat: &str, ticks_per_second: f64) -> Option<CpuLine> {
     if v.len() < 8 || ticks_per_second <= 0.0 {
         return None;
     }
-    let busy = v[0] + v[1] + v[2] + v[5] + v[6] + v[7];
     Some(CpuLine {
-        busy: busy as f64 / ticks_per_second,
-        steal: v[7] as f64 / ticks_per_second,
+        busy_ticks: v[0] + v[1] + v[2] + v[5] + v[6] + v[7],
+        steal_ticks: v[7],
+        ticks_per_second,
     })
 }
 
@@ -131,23 +148,35 @@ mod tests {
     fn busy_time_is_every_column_but_idle_and_iowait() {
         let stat = "cpu  100 2 30 5000 70 4 6 8 50 0\ncpu0 50 1 15 2500 35 2 3 4 25 0\nintr 1 2 3\n";
         // 100 + 2 + 30 + 4 + 6 + 8 = 150 ticks at 100 per second.
-        assert_eq!(cpu_line_of(stat, 100.0).map(|t| t.busy), Some(1.5));
+        assert_eq!(cpu_line_of(stat, 100.0).map(|t| t.busy()), Some(1.5));
         assert_eq!(
-            cpu_line_of("cpu0 1 2 3 4 5 6 7 8\n", 100.0).map(|t| t.busy),
+            cpu_line_of("cpu0 1 2 3 4 5 6 7 8\n", 100.0).map(|t| t.busy()),
             None,
             "the summary line only"
         );
         assert_eq!(
-            cpu_line_of("cpu  1 2 3\n", 100.0).map(|t| t.busy),
+            cpu_line_of("cpu  1 2 3\n", 100.0).map(|t| t.busy()),
             None,
             "too few columns"
         );
         assert_eq!(
-            cpu_line_of(stat, 100.0).map(|t| t.steal),
-            Some(0.08),
+            cpu_line_of(stat, 100.0).map(|t| t.steal_ticks),
+            Some(8),
             "the eighth column"
         );
-        assert!(machine_cpu().is_some_and(|t| (0.0..=t.busy).contains(&t.steal)));
+        assert!(machine_cpu().is_some_and(|t| (0..=t.busy_ticks).contains(&t.steal_ticks)));
+        // One tick of each, from readings with large totals: exactly equal.
+        let at = |busy: u64, steal: u64| CpuLine {
+            busy_ticks: busy,
+            steal_ticks: steal,
+            ticks_per_second: 100.0,
+        };
+        assert_eq!(at(2_400_001, 23_849).since(&at(2_400_000, 23_848)), (0.01, 0.01));
+        assert_eq!(
+            at(5, 1).since(&at(7, 2)),
+            (0.0, 0.0),
+            "a counter that went back counts nothing"
+        );
         assert!(machine_busy_seconds().is_some_and(|s| s > 0.0));
         assert_eq!(machine_cpus_of(stat), 1);
         assert_eq!(machine_cpus_of("cpu  1\ncpu0 1\ncpu1 1\ncpu12 1\nintr 1\n"), 3);

@@ -54,7 +54,6 @@ use run::{run_jobs, Bound, Job};
 pub use config::{size_label, Buffers, ReadConfig, Submit, SweepConfig};
 pub use cpu::{
     children_cpu_seconds, cpus, machine_busy_seconds, machine_cpu, machine_cpus, peak_rss_bytes, process_cpu_seconds,
-    CpuLine,
 };
 pub use drives::drives_of;
 pub use report::{choose, CeilingReport, ConfigResult, DriveCeiling};

@@ -266,7 +266,13 @@ pub(crate) fn load(dir: &Path, args: &LoadArgs, engine_args: &EngineArgs, layout
     let seconds = t0.elapsed().as_secs_f64();
     let cpu_seconds = crate::ceiling::process_cpu_seconds() - cpu0;
     let machine1 = machine();
-    let since = |f: fn(&crate::ceiling::CpuLine) -> f64| Some((f(machine1.as_ref()?) - f(machine0.as_ref()?)).max(0.0));
+    let (busy_cpu_seconds, steal_seconds) = match (&machine0, &machine1) {
+        (Some(a), Some(b)) => {
+            let (busy, steal) = b.since(a);
+            (Some(busy), Some(steal))
+        }
+        _ => (None, None),
+    };
     let peak_rss_bytes = crate::ceiling::peak_rss_bytes();
     let page_cache_growth_bytes = page_cache_bytes() - cache0;
     bar.finish();
@@ -284,8 +290,8 @@ pub(crate) fn load(dir: &Path, args: &LoadArgs, engine_args: &EngineArgs, layout
         engine_seconds,
         cpu_seconds,
         cpu_seconds_per_gb: cpu_seconds / (bytes as f64 / 1e9).max(1e-9),
-        busy_cpu_seconds: since(|t| t.busy),
-        steal_seconds: since(|t| t.steal),
+        busy_cpu_seconds,
+        steal_seconds,
         peak_rss_bytes,
         rss_start_bytes: rss0,
         page_cache_growth_bytes,
