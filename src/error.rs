@@ -388,6 +388,20 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// The kernel refused to change whether a forked child inherits an
+    /// arena's pages: a payload handed over that a child would not have
+    /// (`MADV_DOFORK`), or a slot that could not be protected again before
+    /// a read (`MADV_DONTFORK`).
+    #[error("madvise({advice}) on {bytes} bytes of an arena refused: {source}")]
+    ForkAdvice {
+        /// `MADV_DOFORK` or `MADV_DONTFORK`.
+        advice: &'static str,
+        /// Bytes of the slot.
+        bytes: usize,
+        /// The kernel's answer.
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// The most names a [`Error::NoSuchTensor`] suggests.

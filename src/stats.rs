@@ -295,6 +295,14 @@ pub struct Stats {
     /// Arena mappings of this process whose `madvise(MADV_DONTFORK)` was
     /// refused: `fork()` copies them (warned once).
     pub arena_dontfork_failures: u64,
+    /// Payloads handed over to forked children whose `madvise(MADV_DOFORK)`
+    /// was refused (`Loaded::inherit_on_fork`, a whole-model load's
+    /// mapping): a child does not have them (warned once).
+    pub arena_inherit_failures: u64,
+    /// Slots handed to forked children that could not be fork-protected
+    /// again (`madvise(MADV_DONTFORK)` refused) when they came back: kept
+    /// out of use for their arena's life (warned once).
+    pub arena_reprotect_leaks: u64,
     /// Why this backend (when it was not the first choice).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub backend_reason: Option<String>,

@@ -415,3 +415,159 @@ fn stats_in_a_forked_child_takes_no_lock_a_parent_thread_may_have_held() {
         "Engine::stats hung in the forked child in rounds {hung:?} of 40"
     );
 }
+
+/// The VmFlags of the /proc/self/smaps entry that holds `[base, base + len)`
+/// (`None` when no one entry holds it all).
+fn vm_flags_of(base: usize, len: usize) -> Option<String> {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+    let mut inside = false;
+    for line in smaps.lines() {
+        let first = line.split_whitespace().next().unwrap_or("");
+        if let Some((lo, hi)) = first.split_once('-') {
+            if let (Ok(lo), Ok(hi)) = (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16)) {
+                inside = lo <= base && base + len <= hi;
+                continue;
+            }
+        }
+        if inside {
+            if let Some(flags) = line.strip_prefix("VmFlags:") {
+                return Some(flags.trim().to_string());
+            }
+        }
+    }
+    None
+}
+
+/// Whether `fork()` leaves the pages of `slot` out of a child now
+/// (`dc`, VM_DONTCOPY, on the memory area that holds them).
+fn kept_from_children(slot: &weightstream::Slot) -> bool {
+    let flags = vm_flags_of(slot.base() as usize, slot.len()).expect("the slot is in /proc/self/smaps");
+    flags.split_whitespace().any(|f| f == "dc")
+}
+
+/// A forked child reads what its parent handed over: a whole-model load
+/// (its mapping is handed over whole once its last read has landed) and a
+/// read's payload given `Loaded::inherit_on_fork`, byte for byte. A payload
+/// not handed over stays out of the child (its pages are `MADV_DONTFORK`):
+/// touching it there is a panic naming the cause, not a fault. Before, the
+/// child of a loaded model died of SIGSEGV at its first tensor.
+#[test]
+fn a_forked_child_reads_what_its_parent_handed_over() {
+    const LOAD_WRONG: i32 = 50;
+    const KEPT_WRONG: i32 = 51;
+    const PRIVATE_READ: i32 = 52;
+    let tmp = common::tempdir();
+    let dir = tmp.path().join("model");
+    let s = SynthSpec {
+        layers: 2,
+        experts: 3,
+        expert_bytes: 300_000,
+        shards: 2,
+        seed: 0xf3,
+        ..SynthSpec::default()
+    };
+    common::synth_model(&dir, &s);
+    let model = Model::open(ModelConfig::new(&dir)).unwrap();
+    for backend in common::engine_backend_choices() {
+        let engine = Engine::new(&model, EngineConfig::default().backend(backend)).unwrap();
+        let all = engine.load_all(&weightstream::LoadOptions::new()).unwrap();
+        assert!(all.report().inherited_on_fork, "{backend:?}: {:?}", all.report());
+        let names: Vec<&str> = model.catalog().tensors().iter().map(|t| t.name.as_str()).collect();
+        let (a, b) = (model.tensor(names[0]).unwrap(), model.tensor(names[1]).unwrap());
+        let arena = engine.packed_arena(4 << 20, false).unwrap();
+        let mut kept = engine.read(a, arena.take_for(a).unwrap()).unwrap().wait().unwrap();
+        let private = engine.read(b, arena.take_for(b).unwrap()).unwrap().wait().unwrap();
+        assert!(!kept.inherited_on_fork() && !private.inherited_on_fork());
+        kept.inherit_on_fork().unwrap();
+        assert!(kept.inherited_on_fork());
+        assert!(
+            !kept_from_children(kept.slot()),
+            "{backend:?}: the payload handed over is still MADV_DONTFORK"
+        );
+        assert!(
+            kept_from_children(private.slot()),
+            "{backend:?}: a payload not handed over lost its protection"
+        );
+        // SAFETY: the child reads memory of this test and `_exit`s; the
+        // panic it provokes on purpose unwinds only its own frames.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+        if pid == 0 {
+            let mut code = OK;
+            if all.len() != names.len()
+                || !all
+                    .iter()
+                    .all(|t| weightstream_synth::verify(s.seed, t.name(), t.bytes()))
+            {
+                code = LOAD_WRONG;
+            } else if !weightstream_synth::verify(s.seed, kept.name(), &kept) {
+                code = KEPT_WRONG;
+            } else if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| private.bytes()[0])).is_ok() {
+                code = PRIVATE_READ;
+            }
+            // SAFETY: ends the child at once, running no exit handlers.
+            unsafe { libc::_exit(code) };
+        }
+        assert_eq!(
+            exit_code(pid, &format!("{backend:?}: a child reading its parent's tensors")),
+            OK,
+            "{backend:?}: child check failed"
+        );
+        // The parent's payloads are as they were.
+        assert!(weightstream_synth::verify(s.seed, private.name(), &private));
+        assert!(all
+            .iter()
+            .all(|t| weightstream_synth::verify(s.seed, t.name(), t.bytes())));
+    }
+}
+
+/// A slot handed to children is made fork-protected again before the
+/// kernel may write it: read into again after `into_slot`, or back in its
+/// arena (where the next read may take it). Memory a read may still land
+/// in is never shared with a child.
+#[test]
+fn a_slot_handed_to_children_is_protected_again_before_a_read_can_land_in_it() {
+    let tmp = common::tempdir();
+    let dir = tmp.path().join("model");
+    let s = SynthSpec {
+        layers: 1,
+        experts: 2,
+        expert_bytes: 200_000,
+        shards: 1,
+        seed: 0xf4,
+        ..SynthSpec::default()
+    };
+    common::synth_model(&dir, &s);
+    let model = Model::open(ModelConfig::new(&dir)).unwrap();
+    let engine = Engine::new(&model, EngineConfig::default()).unwrap();
+    let t = model.catalog().tensors()[0].clone();
+    let spec = SlotSpec::new(t.len as usize).with_align(model.required_align());
+    let arena = engine.arena(spec, 2).unwrap();
+    // Read again into the same slot: protected before the read.
+    let mut l = engine.read(&t, arena.take().unwrap()).unwrap().wait().unwrap();
+    l.inherit_on_fork().unwrap();
+    assert!(!kept_from_children(l.slot()));
+    let slot = l.into_slot();
+    assert!(!kept_from_children(&slot), "into_slot alone changes nothing");
+    let l = engine.read(&t, slot).unwrap().wait().unwrap();
+    assert!(
+        kept_from_children(l.slot()),
+        "read into a slot still shared with children"
+    );
+    assert!(!l.inherited_on_fork());
+    assert!(weightstream_synth::verify(s.seed, l.name(), &l));
+    // Back to the arena: protected before anyone can take it.
+    let mut l = l;
+    l.inherit_on_fork().unwrap();
+    let (base, len) = (l.slot().base() as usize, l.slot().len());
+    drop(l);
+    let flags = vm_flags_of(base, len).unwrap();
+    assert!(
+        flags.split_whitespace().any(|f| f == "dc"),
+        "a free slot shared with children: {flags}"
+    );
+    let again = arena.take().unwrap();
+    assert!(kept_from_children(&again));
+    let s0 = engine.stats();
+    assert_eq!((s0.arena_inherit_failures, s0.arena_reprotect_leaks), (0, 0));
+}

@@ -95,8 +95,12 @@ impl Fanout {
 
 impl Engine {
     /// [`Engine::read`] with a caller-supplied group key for `hash` routing.
-    pub fn read_keyed(&self, tensor: &TensorRef, slot: Slot, key: u64) -> Result<Ticket> {
+    pub fn read_keyed(&self, tensor: &TensorRef, mut slot: Slot, key: u64) -> Result<Ticket> {
         self.origin.check()?;
+        // A slot handed to forked children (`Loaded::inherit_on_fork`,
+        // then `into_slot`) is fork-protected again before the kernel may
+        // write it.
+        slot.protect_for_read()?;
         let model = &self.model;
         let primary = model.file_of(tensor)?;
         let w = direct::plan(&primary.path, primary.size, tensor, &slot)?;

@@ -340,6 +340,38 @@ impl Loaded {
         })
     }
 
+    /// Lets processes forked from now on read this payload, as they read
+    /// any memory of their parent (copied on write): the read is complete,
+    /// so no read writes these pages any more. Without it, the pages of an
+    /// arena the crate mapped are absent in a forked child (they are
+    /// `MADV_DONTFORK`, so memory the kernel may write is never shared):
+    /// touching them there panics naming the cause. One `madvise` on
+    /// exactly the slot's pages (a slot is whole pages, never shared with
+    /// another slot). The slot is fork-protected again before it is read
+    /// into or taken again (after [`Loaded::into_slot`], or when it goes
+    /// back to its arena). Nothing to do for caller memory
+    /// (`Engine::register_memory`, `Engine::lend`), which is never advised.
+    ///
+    /// A whole-model load's own memory ([`Engine::load_all`](crate::Engine::load_all),
+    /// [`load`](crate::load)) is handed over this way as a whole when it
+    /// returns.
+    ///
+    /// # Errors
+    /// [`Error::Forked`] in a forked child; [`Error::ForkAdvice`] when the
+    /// kernel refuses (counted in [`Stats::arena_inherit_failures`](crate::Stats::arena_inherit_failures)
+    /// and warned once): the payload stays readable here, not in a child.
+    pub fn inherit_on_fork(&mut self) -> Result<()> {
+        self.slot.inherit_on_fork()
+    }
+
+    /// Whether a process forked now would have this payload's pages
+    /// ([`Loaded::inherit_on_fork`], a whole-model load's memory, or memory
+    /// that is not fork-protected at all: the caller's, or a mapping whose
+    /// `MADV_DONTFORK` the kernel refused).
+    pub fn inherited_on_fork(&self) -> bool {
+        self.slot.inherited() || !self.slot.fork_protected()
+    }
+
     /// The slot, for reuse.
     pub fn into_slot(self) -> Slot {
         self.slot

@@ -68,6 +68,14 @@ pub struct LoadReport {
     /// their own pages. Warned once per process too.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fault_ahead_refused: Option<String>,
+    /// Whether processes forked after the load have its tensors: the load's
+    /// own mapping is handed over whole (`MADV_DOFORK`) once its last read
+    /// has landed. False for memory the caller gave (the caller's to
+    /// decide), for a registered mapping (its pages stay pinned by the
+    /// rings, and fork would copy every pinned page at once), and when the
+    /// kernel refused the advice (counted in
+    /// [`Stats::arena_inherit_failures`](crate::Stats::arena_inherit_failures)).
+    pub inherited_on_fork: bool,
 }
 
 impl LoadReport {
@@ -391,14 +399,14 @@ impl Engine {
         let chosen = self.load_selection(opts)?;
         let (plan, total_bytes) = self.load_layout(opts, &chosen)?;
         let block = self.model().required_align();
-        let own;
-        let arena: &Arena = if let Some(memory) = memory {
-            self.check_load_memory(memory, plan.bytes)?;
-            memory
-        } else {
-            own = self.load_mapping(opts, &plan, &chosen, total_bytes, block)?;
-            &own
+        let own = match memory {
+            Some(memory) => {
+                self.check_load_memory(memory, plan.bytes)?;
+                None
+            }
+            None => Some(self.load_mapping(opts, &plan, &chosen, total_bytes, block)?),
         };
+        let arena: &Arena = memory.or(own.as_ref()).expect("the given memory or the load's own");
         let arena_seconds = t0.elapsed().as_secs_f64();
 
         let n = chosen.len();
@@ -480,6 +488,16 @@ impl Engine {
             .zip(&chosen)
             .filter(|(p, t)| !p.in_place && t.len > 0)
             .count();
+        let registered = self.is_registered(arena);
+        // The load's own mapping is the caller's now: every read has
+        // landed and no handle is left to take a slot with once `own`
+        // goes, so forked children may read it (one madvise for the whole
+        // mapping). A registered one stays protected: the rings pin its
+        // pages, and fork copies pinned pages at once.
+        let inherited_on_fork = match own {
+            Some(own) if !registered => own.inherit_all_on_fork().is_ok(),
+            _ => false,
+        };
         Ok(LoadedModel {
             tensors,
             by_name,
@@ -495,12 +513,13 @@ impl Engine {
                 arena_seconds,
                 order: opts.order,
                 populated: memory.is_none() && opts.populate,
-                registered: self.is_registered(arena),
+                registered,
                 given_memory: memory.is_some(),
                 faulted_ahead: fault_ahead_threads > 0,
                 fault_ahead_threads,
                 fault_ahead_seconds,
                 fault_ahead_refused,
+                inherited_on_fork,
             },
         })
     }

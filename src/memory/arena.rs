@@ -20,12 +20,12 @@
 //! free list, slot access, drop order and release hooks are the same code.
 
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::error::{Error, Result, TakeError};
 use crate::memory::carve::{ring_bytes, Extents};
-use crate::memory::region::{page_size, Region};
+use crate::memory::region::{page_size, ForkAdvice, Region};
 
 /// The shape of every slot in an arena.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -181,12 +181,20 @@ struct Mapping {
     /// that succeeded): a read into it without a fixed buffer is then a
     /// fallback, not a choice.
     register_asked: std::sync::atomic::AtomicBool,
+    /// [`Arena`] handles alive. A slot is only ever taken through one, so
+    /// once this is 0 (it never rises again: a new handle is a clone of a
+    /// live one) no byte of the mapping is read into again.
+    handles: AtomicUsize,
+    /// Every page was handed to forked children at once
+    /// ([`Arena::inherit_all_on_fork`]: a load's own mapping after its
+    /// last read, when no handle is left).
+    inherited: std::sync::atomic::AtomicBool,
 }
 
 impl Mapping {
     /// Whether this mapping's pages are absent here (a forked child).
     fn unmapped_here(&self) -> bool {
-        self.region.dontfork && self.origin.forked()
+        self.region.dontfork && self.origin.forked() && !self.inherited.load(Ordering::Acquire)
     }
 
     /// Whether this is a forked child of the process that made the
@@ -208,6 +216,8 @@ impl Mapping {
             on_release: Mutex::new(Vec::new()),
             origin: crate::fork::Origin::here(),
             register_asked: std::sync::atomic::AtomicBool::new(false),
+            handles: AtomicUsize::new(0),
+            inherited: std::sync::atomic::AtomicBool::new(false),
         })
     }
 }
@@ -299,9 +309,20 @@ fn map(spec: SlotSpec, count: usize, populate: bool) -> Result<(Region, usize)> 
 /// # Ok(())
 /// # }
 /// ```
-#[derive(Clone)]
 pub struct Arena {
     map: Arc<Mapping>,
+}
+
+impl Clone for Arena {
+    fn clone(&self) -> Self {
+        Arena::handle(Arc::clone(&self.map))
+    }
+}
+
+impl Drop for Arena {
+    fn drop(&mut self) {
+        self.map.handles.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl std::fmt::Debug for Arena {
@@ -382,9 +403,13 @@ impl Arena {
             align,
             extents: Mutex::new(Extents::new(len, page_size(), PIECE)),
         };
-        Arena {
-            map: Mapping::new(region, carve, node),
-        }
+        Arena::handle(Mapping::new(region, carve, node))
+    }
+
+    /// A handle to `map`, counted (see `Mapping::handles`).
+    fn handle(map: Arc<Mapping>) -> Self {
+        map.handles.fetch_add(1, Ordering::AcqRel);
+        Arena { map }
     }
 
     fn fixed(region: Region, spec: SlotSpec, slot_len: usize, count: usize, node: Option<usize>) -> Self {
@@ -394,9 +419,7 @@ impl Arena {
             count,
             free: Mutex::new((0..count).rev().collect()),
         };
-        Arena {
-            map: Mapping::new(region, carve, node),
-        }
+        Arena::handle(Mapping::new(region, carve, node))
     }
 
     /// The NUMA node this arena's pages are bound to, when it was made with
@@ -737,6 +760,7 @@ impl Arena {
             len,
             spec,
             exact,
+            inherited: false,
         }
     }
 
@@ -776,9 +800,31 @@ impl Arena {
 
     /// Whether `fork()` leaves this arena out of a child
     /// (`madvise(MADV_DONTFORK)` succeeded). False when the kernel refused
-    /// the advice (warned once), for caller memory, and under Miri.
+    /// the advice (warned once), for caller memory, and under Miri. Slots
+    /// handed over with [`Loaded::inherit_on_fork`](crate::Loaded::inherit_on_fork)
+    /// are inherited while they are out, whatever this says.
     pub fn fork_protected(&self) -> bool {
         self.map.region.dontfork
+    }
+
+    /// Hands every page of the mapping to processes forked from now on
+    /// (`MADV_DOFORK`, one call), and gives up this handle: memory no read
+    /// writes any more, of which nothing is ever taken again (a load's own
+    /// mapping once its last read has landed). Refused, with the handle
+    /// dropped and nothing advised, when another handle is alive (it could
+    /// take a slot and read into pages a child would share). A kernel
+    /// refusal is counted and warned once ([`Stats::arena_inherit_failures`](crate::Stats::arena_inherit_failures)).
+    ///
+    /// The caller guarantees that no read into the mapping is in flight.
+    pub(crate) fn inherit_all_on_fork(self) -> std::io::Result<()> {
+        if self.map.handles.load(Ordering::Acquire) != 1 {
+            return Err(std::io::Error::other("another handle of the arena is alive"));
+        }
+        let r = self.map.region.advise_fork(0, self.map.region.len, ForkAdvice::Inherit);
+        if r.is_ok() {
+            self.map.inherited.store(true, Ordering::Release);
+        }
+        r
     }
 
     /// Whether the kernel accepted `MADV_HUGEPAGE` for this arena (a mapping
@@ -911,6 +957,10 @@ pub struct Slot {
     spec: SlotSpec,
     /// The payload lands at the slot's first byte (no scratch before it).
     exact: bool,
+    /// Its pages are `MADV_DOFORK` ([`Slot::inherit_on_fork`]): a forked
+    /// child has them. Made fork-protected again before the slot is read
+    /// into ([`Slot::protect_for_read`]) or goes back to its arena.
+    inherited: bool,
 }
 
 impl std::fmt::Debug for Slot {
@@ -991,10 +1041,76 @@ impl Slot {
         unsafe { std::slice::from_raw_parts_mut(self.base_mut_ptr(), self.len) }
     }
 
+    /// Lets processes forked from now on inherit this slot's pages, as
+    /// ordinary copy-on-write memory (`MADV_DOFORK` on exactly its pages:
+    /// a slot is whole pages, and no other slot shares one). Only for a
+    /// slot whose read has completed: no read writes it any more. Nothing
+    /// to do for caller memory (never advised here) or a mapping the
+    /// kernel would not protect in the first place.
+    ///
+    /// # Errors
+    /// [`Error::Forked`] in a forked child; [`Error::ForkAdvice`] when the
+    /// kernel refuses the advice (counted and warned once).
+    pub(crate) fn inherit_on_fork(&mut self) -> Result<()> {
+        let region = &self.map.region;
+        if self.inherited || region.borrowed || !region.dontfork || self.map.inherited.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        self.map.origin.check()?;
+        region
+            .advise_fork(self.offset, self.len, ForkAdvice::Inherit)
+            .map_err(|source| Error::ForkAdvice {
+                advice: "MADV_DOFORK",
+                bytes: self.len,
+                source,
+            })?;
+        self.inherited = true;
+        Ok(())
+    }
+
+    /// Whether this slot's memory is kept from forked children at all
+    /// (the crate's own mapping, whose `MADV_DONTFORK` succeeded).
+    pub(crate) fn fork_protected(&self) -> bool {
+        self.map.region.dontfork && !self.map.region.borrowed
+    }
+
+    /// Whether this slot's pages are handed to forked children now.
+    pub(crate) fn inherited(&self) -> bool {
+        self.inherited || self.map.inherited.load(Ordering::Acquire)
+    }
+
+    /// Makes an inherited slot fork-protected again before a read lands in
+    /// it: memory the kernel may write is never shared with a child.
+    ///
+    /// # Errors
+    /// [`Error::ForkAdvice`] when the kernel refuses (counted and warned
+    /// once); the slot must then not be read into.
+    pub(crate) fn protect_for_read(&mut self) -> Result<()> {
+        if self.map.inherited.load(Ordering::Acquire) {
+            // Never: such a mapping has no handle left to take a slot with.
+            return Err(Error::Config(
+                "a slot of a mapping handed to forked children cannot be read into again".into(),
+            ));
+        }
+        if !self.inherited {
+            return Ok(());
+        }
+        self.map
+            .region
+            .advise_fork(self.offset, self.len, ForkAdvice::Protect)
+            .map_err(|source| Error::ForkAdvice {
+                advice: "MADV_DONTFORK",
+                bytes: self.len,
+                source,
+            })?;
+        self.inherited = false;
+        Ok(())
+    }
+
     /// A clear panic instead of a segmentation fault: a slot of a parent's
     /// arena touched in a forked child (its pages are `MADV_DONTFORK`).
     fn assert_mapped(&self) {
-        if self.map.unmapped_here() {
+        if !self.inherited && self.map.unmapped_here() {
             panic!(
                 "a weightstream slot was touched in a forked child: arenas are MADV_DONTFORK, their pages exist only in the parent"
             );
@@ -1045,6 +1161,21 @@ impl Drop for Slot {
             // A child: a parent thread may have held the free list's lock
             // at fork time (and the memory may not be mapped here). Touch
             // nothing; the child's copy of the slot is leaked.
+            return;
+        }
+        // Pages handed to children are protected again before anyone can
+        // take them for a read; with no handle left nobody can, and the
+        // mapping goes with its last slot. A refusal keeps the extent out
+        // of use (counted and warned once) rather than free to be read
+        // into while a child would share it.
+        if self.inherited
+            && self.map.handles.load(Ordering::Acquire) > 0
+            && self
+                .map
+                .region
+                .advise_fork(self.offset, self.len, ForkAdvice::Protect)
+                .is_err()
+        {
             return;
         }
         match &self.map.carve {

@@ -10,4 +10,4 @@ pub(crate) mod region;
 pub use crate::error::TakeError;
 pub(crate) use arena::SlotRange;
 pub use arena::{Arena, Slot, SlotSpec};
-pub(crate) use region::{dontfork_failures, hugepage_refusals};
+pub(crate) use region::{dontfork_failures, hugepage_refusals, inherit_failures, reprotect_leaks};

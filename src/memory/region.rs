@@ -59,7 +59,100 @@ pub(crate) fn dontfork_failures() -> u64 {
     DONTFORK_FAILURES.load(Ordering::Relaxed)
 }
 
+/// Payloads whose pages could not be handed to forked children
+/// (`madvise(MADV_DOFORK)` refused; warned once): a child does not have
+/// them.
+static INHERIT_FAILURES: AtomicU64 = AtomicU64::new(0);
+static INHERIT_WARNED: AtomicBool = AtomicBool::new(false);
+/// Slots whose pages could not be fork-protected again when they came
+/// back (`madvise(MADV_DONTFORK)` refused; warned once): kept out of use
+/// for the arena's life rather than read into while a child may inherit
+/// them.
+static REPROTECT_LEAKS: AtomicU64 = AtomicU64::new(0);
+static REPROTECT_WARNED: AtomicBool = AtomicBool::new(false);
+
+/// Payloads handed over whose pages a forked child does not get, because
+/// the kernel refused `MADV_DOFORK` on them (warned once, at the first).
+pub(crate) fn inherit_failures() -> u64 {
+    INHERIT_FAILURES.load(Ordering::Relaxed)
+}
+
+/// Slots kept out of use because their pages could not be fork-protected
+/// again (warned once, at the first).
+pub(crate) fn reprotect_leaks() -> u64 {
+    REPROTECT_LEAKS.load(Ordering::Relaxed)
+}
+
+/// Whether a forked child inherits pages: what [`Region::advise_fork`] sets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ForkAdvice {
+    /// `MADV_DOFORK`: ordinary memory, copied on write into a child. Only
+    /// for bytes no read writes any more.
+    Inherit,
+    /// `MADV_DONTFORK`: absent in a child (what every mapping starts as).
+    Protect,
+}
+
 impl Region {
+    /// Sets whether a forked child inherits the pages of
+    /// `offset..offset + len` (page-aligned, inside the region). Our own
+    /// mappings only: a caller's memory is never advised, and a mapping
+    /// whose first `MADV_DONTFORK` failed is inherited whatever this says.
+    /// A refusal is counted and warned once (naming what it costs), and
+    /// returned.
+    pub(crate) fn advise_fork(&self, offset: usize, len: usize, advice: ForkAdvice) -> std::io::Result<()> {
+        if self.borrowed || !self.dontfork || len == 0 {
+            return Ok(());
+        }
+        let page = page_size();
+        assert!(
+            offset.is_multiple_of(page)
+                && len.is_multiple_of(page)
+                && offset.checked_add(len).is_some_and(|e| e <= self.len),
+            "fork advice on [{offset}, +{len}) of a region of {} bytes: not whole pages inside it",
+            self.len
+        );
+        let r = self.madvise_fork(offset, len, advice);
+        if let Err(e) = &r {
+            let (count, warned, what) = match advice {
+                ForkAdvice::Inherit => (
+                    &INHERIT_FAILURES,
+                    &INHERIT_WARNED,
+                    "a forked child will not have these bytes (counted in Stats::arena_inherit_failures)",
+                ),
+                ForkAdvice::Protect => (
+                    &REPROTECT_LEAKS,
+                    &REPROTECT_WARNED,
+                    "the slot is kept out of use for the arena's life (counted in Stats::arena_reprotect_leaks)",
+                ),
+            };
+            count.fetch_add(1, Ordering::Relaxed);
+            if !warned.swap(true, Ordering::Relaxed) {
+                tracing::warn!("madvise({advice:?}) on {len} bytes of an arena failed: {e}; {what} (said once)");
+            }
+        }
+        r
+    }
+
+    #[cfg(not(miri))]
+    fn madvise_fork(&self, offset: usize, len: usize, advice: ForkAdvice) -> std::io::Result<()> {
+        let advice = match advice {
+            ForkAdvice::Inherit => rustix::mm::Advice::LinuxDoFork,
+            ForkAdvice::Protect => rustix::mm::Advice::LinuxDontFork,
+        };
+        // SAFETY: `offset..offset + len` is whole pages inside the mapping
+        // this region owns (asserted by the caller above); MADV_DOFORK and
+        // MADV_DONTFORK change only what fork() copies, never the contents
+        // or the address of a page.
+        unsafe { rustix::mm::madvise(self.ptr.as_ptr().add(offset).cast(), len, advice) }.map_err(Into::into)
+    }
+
+    /// Miri has no mapping and no fork.
+    #[cfg(miri)]
+    fn madvise_fork(&self, _offset: usize, _len: usize, _advice: ForkAdvice) -> std::io::Result<()> {
+        Ok(())
+    }
+
     /// `len` bytes (> 0, <= `isize::MAX`), readable and writable, starting
     /// on a page boundary (on a 2 MiB boundary, advised for transparent huge
     /// pages, when `len` is at least 2 MiB). `populate` faults every page in

@@ -310,6 +310,8 @@ impl Model {
             staged: Default::default(),
             slices: Default::default(),
             arena_hugepage_refusals: crate::memory::hugepage_refusals(),
+            arena_inherit_failures: crate::memory::inherit_failures(),
+            arena_reprotect_leaks: crate::memory::reprotect_leaks(),
             warnings: Vec::new(),
         };
         s.warnings = self.model_warnings(&s);
@@ -370,10 +372,12 @@ impl Model {
         if let Some(note) = &s.weights_note {
             out.push(warning::weights_probe_failed(note));
         }
-        out.extend(warning::arena_mappings(
-            s.arena_hugepage_refusals,
-            s.arena_dontfork_failures,
-        ));
+        out.extend(warning::arena_mappings(&warning::ArenaRefusals {
+            hugepage: s.arena_hugepage_refusals,
+            dontfork: s.arena_dontfork_failures,
+            inherit: s.arena_inherit_failures,
+            reprotect: s.arena_reprotect_leaks,
+        }));
         warning::sort(&mut out);
         out
     }

@@ -234,6 +234,8 @@ mod tests {
             }),
             drives: vec![drive_stats("vda")],
             arena_hugepage_refusals: 0,
+            arena_inherit_failures: 0,
+            arena_reprotect_leaks: 0,
             staged: Default::default(),
             slices: Default::default(),
             warnings,

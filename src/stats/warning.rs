@@ -68,6 +68,12 @@ pub enum WarningKind {
     /// `madvise(MADV_DONTFORK)` failed on arena mappings: `fork()` copies
     /// them.
     DontforkFailed,
+    /// `madvise(MADV_DOFORK)` failed on payloads handed over: a forked
+    /// child does not have them.
+    InheritFailed,
+    /// Slots handed to forked children could not be fork-protected again:
+    /// kept out of use.
+    ReprotectFailed,
 }
 
 impl WarningKind {
@@ -93,6 +99,8 @@ impl WarningKind {
             WarningKind::RingFlagsRefused => "ring_flags_refused",
             WarningKind::IowqLimitUnset => "iowq_limit_unset",
             WarningKind::DontforkFailed => "dontfork_failed",
+            WarningKind::InheritFailed => "inherit_failed",
+            WarningKind::ReprotectFailed => "reprotect_failed",
         }
     }
 
@@ -106,6 +114,8 @@ impl WarningKind {
             WarningKind::Memlock | WarningKind::BuffersUnregistered => "arenas",
             WarningKind::MirrorRefused => "files",
             WarningKind::HugePagesRefused | WarningKind::DontforkFailed => "mappings",
+            WarningKind::InheritFailed => "payloads",
+            WarningKind::ReprotectFailed => "slots",
             WarningKind::DriveStopped
             | WarningKind::PreadBackend
             | WarningKind::MirrorSharesDrive
@@ -153,6 +163,10 @@ impl WarningKind {
                 "io-wq may start more workers than the drive's CPUs: they contend for the same cores"
             }
             WarningKind::DontforkFailed => "fork() copies these arenas into the child: memory and time at every fork",
+            WarningKind::InheritFailed => {
+                "a forked child that touches these payloads fails (a panic naming the cause in Rust, a fault through raw pointers)"
+            }
+            WarningKind::ReprotectFailed => "the slots' memory stays mapped and out of use until their arena goes",
         }
     }
 }
@@ -520,9 +534,21 @@ pub(crate) fn iowq_limit_unset(device: &str) -> Warning {
     )
 }
 
-/// Process-wide: arena mappings whose huge-page advice was refused
-/// (`hugepages`) and whose fork protection failed (`dontfork`).
-pub(crate) fn arena_mappings(hugepages: u64, dontfork: u64) -> Vec<Warning> {
+/// Process-wide refusals of advice on arena memory (each a count).
+pub(crate) struct ArenaRefusals {
+    /// Mappings whose huge-page advice was refused.
+    pub(crate) hugepage: u64,
+    /// Mappings whose fork protection failed.
+    pub(crate) dontfork: u64,
+    /// Payloads handed over that a forked child does not have.
+    pub(crate) inherit: u64,
+    /// Slots that could not be fork-protected again (kept out of use).
+    pub(crate) reprotect: u64,
+}
+
+/// Process-wide: what the kernel refused of the advice on arena memory.
+pub(crate) fn arena_mappings(r: &ArenaRefusals) -> Vec<Warning> {
+    let (hugepages, dontfork) = (r.hugepage, r.dontfork);
     let mut out = Vec::new();
     if hugepages > 0 {
         out.push(Warning::new(
@@ -540,6 +566,24 @@ pub(crate) fn arena_mappings(hugepages: u64, dontfork: u64) -> Vec<Warning> {
             dontfork,
             "madvise(MADV_DONTFORK) failed on arena mappings; avoid fork() while arenas live, or start children \
              with posix_spawn (std::process::Command)",
+        ));
+    }
+    if r.inherit > 0 {
+        out.push(Warning::new(
+            WarningKind::InheritFailed,
+            WarningLocation::Process,
+            r.inherit,
+            "madvise(MADV_DOFORK) failed on payloads handed over; a forked child does not have them \
+             (the memory map may have too many areas: vm.max_map_count)",
+        ));
+    }
+    if r.reprotect > 0 {
+        out.push(Warning::new(
+            WarningKind::ReprotectFailed,
+            WarningLocation::Process,
+            r.reprotect,
+            "madvise(MADV_DONTFORK) failed on slots handed to forked children when they came back; they are kept out \
+             of use until their arena goes (the memory map may have too many areas: vm.max_map_count)",
         ));
     }
     out
@@ -611,7 +655,13 @@ mod tests {
     #[test]
     fn sorted_worst_first_and_deterministic() {
         let mut w = vec![
-            arena_mappings(1, 0).remove(0),
+            arena_mappings(&ArenaRefusals {
+                hugepage: 1,
+                dontfork: 0,
+                inherit: 0,
+                reprotect: 0,
+            })
+            .remove(0),
             buffers_unregistered("x", true, 1, Some(1), 0),
             failover("vdb", 1, None),
             failover("vda", 1, None),
