@@ -156,9 +156,13 @@ mod plan;
 mod stats;
 mod storage;
 
-pub use config::{env, BackendChoice, DirectMode, EngineConfig, IoPoll, ModelConfig, RoutePolicy, SubmitMode, Weights};
+pub use config::{
+    env, BackendChoice, DirectMode, EngineConfig, IoPoll, ModelConfig, RoutePolicy, SubmitMode, Weights,
+    DEFAULT_SLICE_STAGING,
+};
 pub use engine::{
     DrivePlacement, Engine, Lent, LentLoaded, LentTicket, Loaded, Scratch, ShutdownReport, SliceTicket, Ticket,
+    SLICE_PIECE_BYTES,
 };
 pub use error::{Error, ExpertsError, HeaderError, Result, SUGGESTIONS};
 pub use format::catalog::{Catalog, ShardInfo, TensorRef};

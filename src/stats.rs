@@ -247,8 +247,11 @@ pub struct StagedStats {
     pub bytes: u64,
     /// CPU time of the copies (the waiting threads'), nanoseconds.
     pub copy_cpu_ns: u64,
-    /// Bytes of staging memory the engine mapped (registered like any arena).
+    /// Bytes of staging memory the engine has mapped now (registered like
+    /// any arena; slices give back what is idle when they resolve).
     pub staging_bytes: u64,
+    /// The most bytes of staging mapped at once.
+    pub staging_peak_bytes: u64,
 }
 
 /// Slice reads (`Engine::read_slice`): what was wanted against what the
@@ -266,6 +269,10 @@ pub struct SliceStats {
     pub bytes_wanted: u64,
     /// Bytes of whole blocks the pieces span: what the drives move.
     pub bytes_read: u64,
+    /// Slices whose pieces needed more staging than
+    /// `EngineConfig::slice_staging`: read through that window, the
+    /// submitting call waiting for earlier pieces.
+    pub windowed: u64,
 }
 
 impl SliceStats {

@@ -339,3 +339,127 @@ fn a_slice_wakes_its_waker_only_when_every_piece_landed() {
         }
     }
 }
+
+/// A sparse file holding one U8 tensor of `rows` x `width`, row `r`'s
+/// first `written` bytes `(7 r + c) % 251`, the rest holes (zeros): a wide
+/// tensor without writing it.
+fn sparse_model(dir: &std::path::Path, rows: usize, width: usize, written: usize) -> Model {
+    use std::os::unix::fs::FileExt;
+    std::fs::create_dir_all(dir).unwrap();
+    let len = (rows * width) as u64;
+    let json = common::header_json(&[common::Entry {
+        name: "t".into(),
+        dtype: "U8".into(),
+        shape: vec![rows, width],
+        begin: 0,
+        end: len,
+    }]);
+    let header = common::pad_json(&json, json.len() + 3);
+    let path = dir.join("model.safetensors");
+    std::fs::write(&path, common::container_bytes(&header, &[])).unwrap();
+    let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    let data_start = 8 + header.len() as u64;
+    f.set_len(data_start + len).unwrap();
+    for r in 0..rows {
+        let row: Vec<u8> = (0..written).map(|c| ((7 * r + c) % 251) as u8).collect();
+        f.write_all_at(&row, data_start + (r * width) as u64).unwrap();
+    }
+    drop(f);
+    Model::open(ModelConfig::new(dir)).unwrap()
+}
+
+/// The review's unbounded case, scaled: a narrow column of a wide tensor,
+/// rows far apart, so every row is a piece of its own (2048 pieces of 2-3
+/// blocks, about 20 MiB of blocks). Its staging stays within the engine's
+/// window (1 MiB here): the first staging arena (16 MiB) is never
+/// outgrown, the call read through its window, and every byte is right.
+/// Before, every piece was submitted at once, each with its own staging:
+/// staging grew to hold them all (the review's 4 GiB) and stayed.
+#[test]
+fn a_sparse_column_reads_through_a_bounded_staging_window() {
+    let tmp = common::tempdir();
+    let (rows, width, cols) = (2048, 100_000, 5000);
+    let model = sparse_model(&tmp.path().join("m"), rows, width, cols);
+    let t = model.tensor("t").unwrap();
+    for backend in common::engine_backend_choices() {
+        let e = Engine::new(&model, EngineConfig::default().backend(backend).slice_staging(1 << 20)).unwrap();
+        let s = t.slice(&[0..rows, 0..cols]).unwrap();
+        let plan = e.slice_plan(&s);
+        assert_eq!(plan.pieces.len(), rows, "one piece a row");
+        assert!(
+            plan.read > 16 << 20,
+            "the pieces need more than the first staging arena: {}",
+            plan.read
+        );
+        let arena = e.packed_arena(s.len() as usize + 4096, false).unwrap();
+        let l = e.read_slice(&s, &arena, 0, Scratch::Before).unwrap().wait().unwrap();
+        let want: Vec<u8> = (0..rows)
+            .flat_map(|r| (0..cols).map(move |c| ((7 * r + c) % 251) as u8))
+            .collect();
+        assert!(l[..] == want[..], "{backend:?}: the slice's bytes");
+        let st = e.stats();
+        assert_eq!(st.slices.windowed, 1, "{backend:?}: {:?}", st.slices);
+        assert_eq!(st.slices.bytes_read, plan.read);
+        assert!(
+            st.staged.staging_peak_bytes <= 16 << 20,
+            "{backend:?}: staging grew to {} bytes for a 1 MiB window",
+            st.staged.staging_peak_bytes
+        );
+    }
+}
+
+/// Staging grown by many slices in flight at once (each holds its last
+/// window until waited on) is given back when they resolve: idle staging
+/// beyond the window (or the first arena) is unmapped, and what is left
+/// reads again.
+#[test]
+fn staging_grown_by_slices_in_flight_shrinks_back_when_they_resolve() {
+    let tmp = common::tempdir();
+    let (rows, width, cols) = (1024, 100_000, 5000);
+    let model = sparse_model(&tmp.path().join("m"), rows, width, cols);
+    let t = model.tensor("t").unwrap();
+    let e = Engine::new(&model, EngineConfig::default().slice_staging(1 << 20)).unwrap();
+    let n = 20;
+    let slices: Vec<_> = (0..n)
+        .map(|k| t.slice(&[0..rows, k * cols..(k + 1) * cols]).unwrap())
+        .collect();
+    let arena = e.packed_arena(n * (rows * cols + 4096), false).unwrap();
+    let tickets: Vec<_> = slices
+        .iter()
+        .enumerate()
+        .map(|(k, s)| {
+            e.read_slice(s, &arena, k * (rows * cols + 4096), Scratch::Before)
+                .unwrap()
+        })
+        .collect();
+    let grown = e.stats().staged.staging_bytes;
+    assert!(
+        grown > 16 << 20,
+        "20 windows of 1 MiB in flight outgrow the first arena: {grown}"
+    );
+    for (k, tk) in tickets.into_iter().enumerate() {
+        let l = tk.wait().unwrap();
+        if k == 0 {
+            let want: Vec<u8> = (0..rows)
+                .flat_map(|r| (0..cols).map(move |c| ((7 * r + c) % 251) as u8))
+                .collect();
+            assert!(l[..] == want[..]);
+        } else {
+            assert!(l.iter().all(|&b| b == 0), "slice {k}: holes read as zeros");
+        }
+    }
+    let st = e.stats().staged;
+    assert!(st.staging_peak_bytes >= grown);
+    assert!(
+        st.staging_bytes <= 16 << 20,
+        "idle staging was not given back: {} bytes mapped after every slice resolved",
+        st.staging_bytes
+    );
+    // What is left serves the next slice.
+    let l = e
+        .read_slice(&slices[0], &arena, 0, Scratch::Before)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(l.len(), rows * cols);
+}

@@ -139,7 +139,17 @@ pub struct EngineConfig {
     /// The topology provider; default: `Provider::from_env` (live hwloc,
     /// or `WEIGHTSTREAM_NUMA_XML`).
     pub numa_provider: Option<Provider>,
+    /// Staging one slice read keeps in flight at most
+    /// (`Engine::read_slice`: the pieces of a column or block slice land
+    /// in staging, then are copied into place); default
+    /// [`DEFAULT_SLICE_STAGING`].
+    pub slice_staging: usize,
 }
+
+/// The staging a slice read keeps in flight by default: 32 MiB, enough for
+/// 8 pieces of 4 MiB (a drive's queue), small beside the slices of a
+/// model's parallel layers.
+pub const DEFAULT_SLICE_STAGING: usize = 32 << 20;
 
 impl Default for EngineConfig {
     fn default() -> Self {
@@ -155,6 +165,7 @@ impl Default for EngineConfig {
             route: None,
             numa: true,
             numa_provider: None,
+            slice_staging: DEFAULT_SLICE_STAGING,
         }
     }
 }
@@ -227,6 +238,13 @@ impl EngineConfig {
     /// Sets the topology provider (`None`: from the environment).
     pub fn numa_provider(mut self, numa_provider: Option<Provider>) -> Self {
         self.numa_provider = numa_provider;
+        self
+    }
+
+    /// Sets the staging one slice read keeps in flight (at least one 4 KiB
+    /// block is used, whatever this says).
+    pub fn slice_staging(mut self, bytes: usize) -> Self {
+        self.slice_staging = bytes;
         self
     }
 

@@ -7,7 +7,7 @@ pub(crate) mod engine;
 pub mod env;
 pub(crate) mod model;
 
-pub use engine::{BackendChoice, EngineConfig, IoPoll, SubmitMode};
+pub use engine::{BackendChoice, EngineConfig, IoPoll, SubmitMode, DEFAULT_SLICE_STAGING};
 pub(crate) use model::MAX_COPY_RANKS;
 pub use model::{split_list, DirectMode, ModelConfig, RoutePolicy, Weights};
 

@@ -25,7 +25,6 @@
 
 use std::marker::PhantomData;
 use std::ptr::NonNull;
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use crate::config::DirectMode;
@@ -328,12 +327,12 @@ impl Engine {
         let want = window_bytes(pad, tensor.len, align)
             .ok_or_else(|| Error::Config(format!("tensor {}: its blocks do not fit usize", tensor.name)))?;
         let spec = SlotSpec::new(len).with_align(align).with_tail_room(true);
-        let mut arenas = self.staging.arenas.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(s) = arenas.iter().find_map(|a| a.take_window(want, spec)) {
+        if let Some(s) = self.staging.take(want, spec) {
             return Ok(s);
         }
-        let have: usize = arenas.iter().map(Arena::bytes).sum();
-        let bytes = want.max(STAGING_MIN).max(have);
+        // No staging lock is held while the new arena is mapped and
+        // registered (a round trip to every ring thread).
+        let bytes = want.max(STAGING_MIN).max(self.staging.bytes());
         let arena = self.packed_arena(bytes, true).map_err(|e| {
             Error::Config(format!(
                 "tensor {}: its address in the caller's memory is out of phase with its file offset, and {bytes} bytes of staging could not be mapped: {e}",
@@ -345,18 +344,12 @@ impl Engine {
             arena.bytes(),
             tensor.name
         );
-        self.staging
-            .counters
-            .mapped
-            .fetch_add(arena.bytes() as u64, Ordering::Relaxed);
-        let slot = arena.take_window(want, spec).ok_or_else(|| {
+        self.staging.add(arena, want, spec).ok_or_else(|| {
             Error::Config(format!(
                 "tensor {}: a fresh staging arena of {bytes} bytes has no run of {want}",
                 tensor.name
             ))
-        })?;
-        arenas.push(arena);
-        Ok(slot)
+        })
     }
 
     /// Lends `memory` to the engine for the length of `f`: the safe form

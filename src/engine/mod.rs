@@ -41,7 +41,7 @@ pub use lend::{Lent, LentLoaded, LentTicket, Scratch};
 use queue::{Control, Io};
 use registry::Registry;
 use router::Router;
-pub use slice::SliceTicket;
+pub use slice::{SliceTicket, SLICE_PIECE_BYTES};
 use sync::lock_std as lock;
 pub use ticket::{Loaded, Ticket};
 
@@ -166,10 +166,13 @@ pub struct Engine {
     localities: Vec<Locality>,
     /// Where the engine was made (fork detection).
     origin: Origin,
-    /// Staging for reads into caller memory out of phase.
-    staging: staging::Staging,
+    /// Staging for reads into caller memory out of phase, and slices'
+    /// pieces (shared with the slice tickets, which give idle staging back).
+    staging: Arc<staging::Staging>,
     /// Slice reads: bytes wanted against bytes read.
     slices: slice::SliceCounters,
+    /// Staging one slice read keeps in flight at most (`EngineConfig::slice_staging`).
+    slice_staging: usize,
 }
 
 impl std::fmt::Debug for Engine {
@@ -368,6 +371,7 @@ impl Engine {
             bytes: ld(&sc.bytes),
             copy_cpu_ns: ld(&sc.copy_ns),
             staging_bytes: ld(&sc.mapped),
+            staging_peak_bytes: ld(&sc.peak),
         };
         let c = &self.slices;
         s.slices = crate::stats::SliceStats {
@@ -376,6 +380,7 @@ impl Engine {
             runs: ld(&c.runs),
             bytes_wanted: ld(&c.wanted),
             bytes_read: ld(&c.read),
+            windowed: ld(&c.windowed),
         };
         if self.origin.forked() {
             // A child: the registry, the lanes' queues and the drives' loads

@@ -8,24 +8,39 @@
 //! the engine's staging memory, and each run is copied to its place in the
 //! caller's memory as its piece resolves, on the thread that waits: the
 //! caller's bytes are written by that copy only, never by the kernel.
+//!
+//! Staging is bounded: no piece spans more than [`SLICE_PIECE_BYTES`] of
+//! blocks, and a slice keeps at most `EngineConfig::slice_staging` of
+//! staging in flight. A slice whose pieces need more is read through that
+//! window: the submitting call waits for its oldest piece, copies it into
+//! place and returns its staging before it submits the next, so memory is
+//! the slice's own bytes plus the window, whatever the slice's shape (a
+//! one-byte column of a wide tensor moves one block per row: 4096 times
+//! its bytes, through the same window). When a slice resolves, idle
+//! staging beyond the window is unmapped.
 
 use std::collections::VecDeque;
 use std::future::Future;
-use std::ops::Range;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
 use crate::engine::lend::{Destination, Scratch};
-use crate::engine::staging::thread_cpu_ns;
+use crate::engine::staging::{thread_cpu_ns, Staging, STAGING_MIN};
 use crate::engine::ticket::{Loaded, Meta, Ticket};
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::format::catalog::TensorRef;
 use crate::format::dtype::Dtype;
-use crate::format::slice::{Run, TensorSlice, SLICE_GAP_BYTES};
+use crate::format::slice::{Piece, SlicePlan, TensorSlice, SLICE_GAP_BYTES};
 use crate::memory::{Arena, Slot, SlotSpec};
+use crate::plan::placement::window_bytes;
+
+/// The most bytes of blocks one piece of a slice spans (a piece longer
+/// than this is cut, see `TensorSlice::plan_within`): the largest chunk a
+/// drive is given, so a piece is one request.
+pub const SLICE_PIECE_BYTES: usize = 4 << 20;
 
 /// Counters of slice reads (all threads).
 #[derive(Default, Debug)]
@@ -35,15 +50,39 @@ pub(crate) struct SliceCounters {
     pub(crate) runs: AtomicU64,
     pub(crate) wanted: AtomicU64,
     pub(crate) read: AtomicU64,
+    /// Slices read through their staging window (the submitting call
+    /// waited for earlier pieces before it could submit later ones).
+    pub(crate) windowed: AtomicU64,
 }
 
 impl Engine {
+    /// How [`Engine::read_slice`] reads `slice` on this engine: its
+    /// pieces (each at most [`SLICE_PIECE_BYTES`] of blocks, runs merged
+    /// across gaps of at most [`SLICE_GAP_BYTES`]), the bytes wanted and
+    /// the bytes the drives move.
+    pub fn slice_plan(&self, slice: &TensorSlice) -> SlicePlan {
+        let align = self.direct_align() as u64;
+        slice.plan_within(align, SLICE_GAP_BYTES, Some(self.slice_piece_bytes() as u64))
+    }
+
+    /// The staging one slice read keeps in flight at most
+    /// (`EngineConfig::slice_staging`).
+    pub fn slice_staging(&self) -> usize {
+        self.slice_staging
+    }
+
+    /// The largest piece: [`SLICE_PIECE_BYTES`], or less when the window
+    /// is smaller (one block at least).
+    fn slice_piece_bytes(&self) -> usize {
+        let align = self.direct_align();
+        (SLICE_PIECE_BYTES.min(self.slice_staging) / align).max(1) * align
+    }
+
     /// Reads `slice` ([`TensorRef::slice`]) so that its bytes, compact and
     /// row-major, land at byte `at` of `memory` (an arena from
     /// [`Engine::register_memory`] or [`Engine::packed_arena`]), reading
-    /// from the drives only the pieces [`TensorSlice::plan`] chooses with
-    /// [`SLICE_GAP_BYTES`] (counted in [`Stats::slices`]: bytes wanted and
-    /// bytes read).
+    /// from the drives only the pieces [`Engine::slice_plan`] chooses
+    /// (counted in [`Stats::slices`]: bytes wanted and bytes read).
     ///
     /// A slice of one run (rows) is [`Engine::read_into`] with `scratch`:
     /// in place when in phase. A slice of many runs (columns, blocks) goes
@@ -53,6 +92,16 @@ impl Engine {
     /// written, and only by that copy. The bytes `[at, at + slice.len())`
     /// must not overlap a slot of `memory` in use.
     ///
+    /// Memory: at most `EngineConfig::slice_staging` of staging is in
+    /// flight for one slice. When its pieces need more, this call reads
+    /// through that window: it waits for the oldest piece, copies it into
+    /// place and returns its staging before submitting the next, and
+    /// returns with the last window in flight (counted in
+    /// [`SliceStats::windowed`](crate::stats::SliceStats::windowed)). Only
+    /// then does it block; a slice within the window is submitted without
+    /// waiting. Idle staging beyond the window is unmapped when the slice
+    /// resolves.
+    ///
     /// [`Stats::slices`]: crate::Stats::slices
     /// [`Stats::staged`]: crate::Stats::staged
     pub fn read_slice(&self, slice: &TensorSlice, memory: &Arena, at: usize, scratch: Scratch) -> Result<SliceTicket> {
@@ -61,7 +110,7 @@ impl Engine {
         // A slice of another model's tensor is refused before anything else.
         self.model.file_of(tensor)?;
         let align = self.direct_align();
-        let plan = slice.plan(align as u64, SLICE_GAP_BYTES);
+        let plan = self.slice_plan(slice);
         let count = |plan_read: u64, pieces: usize| {
             let c = &self.slices;
             c.reads.fetch_add(1, Ordering::Relaxed);
@@ -92,7 +141,24 @@ impl Engine {
         };
         dest.check(memory)?;
         let dest = dest.take(memory, SlotSpec::new(len).with_align(align))?;
-        let mut parts = VecDeque::with_capacity(plan.pieces.len());
+        let shaped = TensorRef {
+            shape: slice.shape().to_vec(),
+            offset: tensor.offset + slice.covering().start,
+            len: slice.len(),
+            ..tensor.clone()
+        };
+        let mut pieces = Pieces {
+            dest: Some(dest),
+            parts: VecDeque::with_capacity(plan.pieces.len().min(1024)),
+            slice: slice.clone(),
+            meta: Meta::of(&self.model, &shaped),
+            len,
+            staging: std::sync::Arc::clone(&self.staging),
+            staged: 0,
+            keep: self.slice_staging.max(STAGING_MIN),
+        };
+        let budget = self.slice_staging;
+        let mut waited = false;
         for p in &plan.pieces {
             let piece = TensorRef {
                 offset: tensor.offset + p.range.start,
@@ -102,32 +168,30 @@ impl Engine {
                 ..tensor.clone()
             };
             let pad = (piece.offset % align as u64) as usize;
+            let need = window_bytes(pad, piece.len, align).unwrap_or(usize::MAX);
+            // The window is full: the oldest piece is copied into place and
+            // its staging returned before this one takes any. An error
+            // drops the pieces in flight: their tickets settle into
+            // staging (or leak) as any dropped ticket does.
+            while !pieces.parts.is_empty() && pieces.staged.saturating_add(need) > budget {
+                waited = true;
+                pieces.settle_oldest()?;
+            }
             let stage = self.staging_slot(&piece, pad, align)?;
-            // A piece that fails to queue drops the pieces before it: their
-            // tickets settle (or leak) staging as any dropped ticket does.
             let ticket = self.read(&piece, stage)?;
-            parts.push_back(Part {
+            pieces.parts.push_back(Part {
                 ticket,
-                runs: p.runs.clone(),
-                from: p.range.start,
+                piece: p.clone(),
+                staged: need,
             });
+            pieces.staged += need;
         }
         count(plan.read, plan.pieces.len());
-        let shaped = TensorRef {
-            shape: slice.shape().to_vec(),
-            offset: tensor.offset + slice.covering().start,
-            len: slice.len(),
-            ..tensor.clone()
-        };
+        if waited {
+            self.slices.windowed.fetch_add(1, Ordering::Relaxed);
+        }
         Ok(SliceTicket {
-            inner: Inner::Pieces(Box::new(Pieces {
-                dest: Some(dest),
-                parts,
-                runs: slice.runs().to_vec(),
-                meta: Meta::of(&self.model, &shaped),
-                len,
-                counters: std::sync::Arc::clone(&self.staging.counters),
-            })),
+            inner: Inner::Pieces(Box::new(pieces)),
         })
     }
 }
@@ -150,9 +214,10 @@ enum Inner {
 
 struct Part {
     ticket: Ticket,
-    runs: Range<usize>,
-    /// The piece's first byte, as an offset in the tensor.
-    from: u64,
+    /// The bytes of the tensor the piece holds, and its runs.
+    piece: Piece,
+    /// Bytes of staging it holds.
+    staged: usize,
 }
 
 struct Pieces {
@@ -160,44 +225,62 @@ struct Pieces {
     dest: Option<Slot>,
     /// Pieces not yet copied, in order.
     parts: VecDeque<Part>,
-    runs: Vec<Run>,
+    slice: TensorSlice,
     meta: Meta,
     len: usize,
-    counters: std::sync::Arc<crate::engine::staging::StagingCounters>,
+    /// The engine's staging: its copy counters, and the idle staging given
+    /// back when the slice resolves.
+    staging: std::sync::Arc<Staging>,
+    /// Staging the pieces in flight hold.
+    staged: usize,
+    /// Idle staging left mapped when the slice resolves.
+    keep: usize,
 }
 
 impl std::fmt::Debug for Pieces {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Pieces")
             .field("pending", &self.parts.len())
-            .field("runs", &self.runs.len())
+            .field("runs", &self.slice.runs().len())
             .field("len", &self.len)
+            .field("staged", &self.staged)
             .finish()
     }
 }
 
 impl Pieces {
-    /// Copies the runs `runs` of a resolved piece (whose first byte is
-    /// byte `from` of the tensor) into place.
-    fn copy(&mut self, runs: Range<usize>, from: u64, staged: &Loaded) {
+    /// Copies the runs of a resolved piece into place; its staging goes
+    /// back when `staged` drops, right after.
+    fn copy(&mut self, piece: &Piece, staging: usize, loaded: &Loaded) {
         let t0 = thread_cpu_ns();
         let dest = self
             .dest
             .as_mut()
             .expect("the slice's bytes are held until it resolves");
-        let out = dest.as_bytes_mut();
-        let src = staged.bytes();
-        let mut bytes = 0u64;
-        for r in &self.runs[runs] {
-            let (s, d, n) = ((r.src - from) as usize, r.dst as usize, r.len as usize);
-            out[d..d + n].copy_from_slice(&src[s..s + n]);
-            bytes += r.len;
-        }
-        let c = &self.counters;
+        let bytes = self.slice.copy_piece(piece, loaded.bytes(), dest.as_bytes_mut());
+        self.staged -= staging;
+        let c = &self.staging.counters;
         c.reads.fetch_add(1, Ordering::Relaxed);
         c.bytes.fetch_add(bytes, Ordering::Relaxed);
         c.copy_ns
             .fetch_add(thread_cpu_ns().saturating_sub(t0), Ordering::Relaxed);
+    }
+
+    /// Waits for the oldest piece and copies it into place (its staging
+    /// then goes back).
+    fn settle_oldest(&mut self) -> Result<()> {
+        let Part { ticket, piece, staged } = self.parts.pop_front().expect("a piece in flight");
+        let loaded = ticket.wait()?;
+        self.copy(&piece, staged, &loaded);
+        Ok(())
+    }
+
+    /// The slice, once every piece is in place: the caller's bytes, and
+    /// idle staging beyond the window unmapped.
+    fn finish(&mut self) -> Loaded {
+        let dest = self.dest.take().expect("a slice resolves once");
+        self.staging.trim(self.keep);
+        Loaded::new(dest, 0, self.len, self.meta.clone())
     }
 
     /// Waits for the pieces in order until `deadline` (`None`: for as long
@@ -205,23 +288,22 @@ impl Pieces {
     /// once every piece is in place, `None` when the deadline came first
     /// (the pieces copied so far stay copied).
     fn settle(&mut self, deadline: Option<Instant>) -> Option<Result<Loaded>> {
-        while let Some(Part { ticket, runs, from }) = self.parts.pop_front() {
+        while let Some(Part { ticket, piece, staged }) = self.parts.pop_front() {
             let got = match deadline {
                 None => Ok(ticket.wait()),
                 Some(d) => ticket.wait_timeout(d.saturating_duration_since(Instant::now())),
             };
             match got {
-                // The staging slot goes back when `staged` drops, after the copy.
-                Ok(Ok(staged)) => self.copy(runs, from, &staged),
+                // The staging slot goes back when `loaded` drops, after the copy.
+                Ok(Ok(loaded)) => self.copy(&piece, staged, &loaded),
                 Ok(Err(e)) => return Some(Err(e)),
                 Err(ticket) => {
-                    self.parts.push_front(Part { ticket, runs, from });
+                    self.parts.push_front(Part { ticket, piece, staged });
                     return None;
                 }
             }
         }
-        let dest = self.dest.take().expect("a slice resolves once");
-        Some(Ok(Loaded::new(dest, 0, self.len, self.meta.clone())))
+        Some(Ok(self.finish()))
     }
 }
 
@@ -258,9 +340,9 @@ impl Future for SliceTicket {
             let mut i = 0;
             while i < p.parts.len() {
                 match Pin::new(&mut p.parts[i].ticket).poll(&mut inner_cx) {
-                    Poll::Ready(Ok(staged)) => {
+                    Poll::Ready(Ok(loaded)) => {
                         let part = p.parts.remove(i).expect("a piece at i");
-                        p.copy(part.runs, part.from, &staged);
+                        p.copy(&part.piece, part.staged, &loaded);
                     }
                     Poll::Ready(Err(e)) => {
                         // The rest settle into staging as they drop; the
@@ -276,8 +358,7 @@ impl Future for SliceTicket {
                 }
             }
             if pending == 0 {
-                let dest = p.dest.take().expect("checked above");
-                return Poll::Ready(Ok(Loaded::new(dest, 0, p.len, p.meta.clone())));
+                return Poll::Ready(Ok(p.finish()));
             }
             // Armed: the count becomes the pieces pending, less those that
             // already woke it. All of them already did: poll again.

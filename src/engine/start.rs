@@ -78,6 +78,7 @@ impl Engine {
             origin: Origin::here(),
             staging: Default::default(),
             slices: Default::default(),
+            slice_staging: config.slice_staging,
         })
     }
 }

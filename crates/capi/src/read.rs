@@ -356,7 +356,7 @@ pub unsafe extern "C" fn ws_slice_size(
         let e = ENGINES.get(engine.id)?;
         // SAFETY: the contract above.
         let s = unsafe { slice_of(&e, tensor, bounds, ndims) }?;
-        let plan = s.plan(e.engine.direct_align() as u64, ws::SLICE_GAP_BYTES);
+        let plan = e.engine.slice_plan(&s);
         let out = ws_slice_info {
             bytes: s.len(),
             read_bytes: plan.read,
