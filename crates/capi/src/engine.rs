@@ -136,22 +136,6 @@ pub unsafe extern "C" fn ws_engine_create_env(model: ws_model, out: *mut ws_engi
     })
 }
 
-/// Waits (until `deadline`) for `arc` to be the only reference: calls on
-/// other threads that looked the handle up just before it was removed
-/// finish in microseconds.
-fn sole<T>(mut arc: Arc<T>, deadline: Instant) -> Result<T, Arc<T>> {
-    loop {
-        match Arc::try_unwrap(arc) {
-            Ok(v) => return Ok(v),
-            Err(a) if Instant::now() >= deadline => return Err(a),
-            Err(a) => {
-                arc = a;
-                std::thread::yield_now();
-            }
-        }
-    }
-}
-
 /// Stops the engine: waits up to `timeout_ms` for its I/O threads, then
 /// reports what was left in flight (those threads are detached and keep
 /// the memory the kernel may write: a leak, never an early free). Refused
@@ -167,26 +151,32 @@ pub unsafe extern "C" fn ws_engine_shutdown(
     report: *mut ws_shutdown_report,
 ) -> ws_status {
     guard("ws_engine_shutdown", || {
-        let e = ENGINES.remove(engine.id)?;
-        let users = e.users.load(Ordering::SeqCst);
-        if users > 0 {
-            ENGINES.reinsert(engine.id, e);
-            return Err(Fail::new(
-                ws_status::WS_ERR_BUSY,
-                format!(
-                    "engine {}: {users} memory handle(s) still open on it (unregister them first; tickets into them keep them)",
-                    engine.id
-                ),
-            ));
-        }
         let timeout = Duration::from_millis(timeout_ms);
-        let obj = sole(e, Instant::now() + timeout.min(Duration::from_secs(1))).map_err(|e| {
-            ENGINES.reinsert(engine.id, e);
-            Fail::new(
-                ws_status::WS_ERR_BUSY,
-                format!("engine {}: another thread is still in a call on it", engine.id),
-            )
-        })?;
+        // Decided under the table's lock: a refused shutdown never takes
+        // the engine out of the table, so other threads' calls on it go on
+        // (WS_ERR_HANDLE only ever means a closed handle). A memory handle
+        // holds the engine too, so it is counted before the wait.
+        let e = ENGINES.remove_when(
+            engine.id,
+            Instant::now() + timeout.min(Duration::from_secs(1)),
+            |e| match e.users.load(Ordering::SeqCst) {
+                0 => Ok(()),
+                users => Err(Fail::new(
+                    ws_status::WS_ERR_BUSY,
+                    format!(
+                        "engine {}: {users} memory handle(s) still open on it (unregister them first; tickets into them keep them)",
+                        engine.id
+                    ),
+                )),
+            },
+            || {
+                Fail::new(
+                    ws_status::WS_ERR_BUSY,
+                    format!("engine {}: another thread is still in a call on it", engine.id),
+                )
+            },
+        )?;
+        let obj = Arc::into_inner(e).expect("remove_when hands back the only reference");
         let r = obj.engine.shutdown(timeout);
         let out = ws_shutdown_report {
             drained: c_int::from(r.drained),

@@ -51,17 +51,43 @@ impl<T> Table<T> {
         id
     }
 
-    /// Puts `v` back under its old number (an unregister that timed out).
-    pub(crate) fn reinsert(&self, id: u64, v: Arc<T>) {
-        self.write(id).insert(id, v);
-    }
-
     pub(crate) fn get(&self, id: u64) -> Res<Arc<T>> {
         self.read(id).get(&id).cloned().ok_or_else(|| self.unknown(id))
     }
 
     pub(crate) fn remove(&self, id: u64) -> Res<Arc<T>> {
         self.write(id).remove(&id).ok_or_else(|| self.unknown(id))
+    }
+
+    /// Removes `id` only when `refuse` finds nothing against it and no
+    /// other thread holds it (no call on it is running), both decided under
+    /// the table's lock: the handle stays in the table, usable by every
+    /// other thread, until it is removed for good. `refuse`'s error is
+    /// returned at once (the handle untouched); while other calls hold it,
+    /// it is tried again (the lock released in between) until `deadline`,
+    /// then `busy` is returned. A handle removed here can be reached by no
+    /// one else: the `Arc` returned is the only one.
+    pub(crate) fn remove_when(
+        &self,
+        id: u64,
+        deadline: std::time::Instant,
+        refuse: impl Fn(&T) -> Res<()>,
+        busy: impl Fn() -> Fail,
+    ) -> Res<Arc<T>> {
+        loop {
+            {
+                let mut shard = self.write(id);
+                let v = shard.get(&id).ok_or_else(|| self.unknown(id))?;
+                refuse(v)?;
+                if Arc::strong_count(v) == 1 {
+                    return Ok(shard.remove(&id).expect("looked up under the same lock"));
+                }
+            }
+            if std::time::Instant::now() >= deadline {
+                return Err(busy());
+            }
+            std::thread::yield_now();
+        }
     }
 
     fn unknown(&self, id: u64) -> Fail {

@@ -56,8 +56,10 @@ impl Drop for MemoryObj {
 
 pub(crate) static MEMORY: LazyLock<Table<MemoryObj>> = LazyLock::new(|| Table::new("memory"));
 
-/// Caller ranges lent now: start -> (end, handle). Two handles over the
-/// same bytes would let two reads land on them at once.
+/// Ranges of memory handles open now, the caller's and the engines' own
+/// arenas alike: start -> (end, handle). Two handles over the same bytes
+/// would let two reads land on them at once (or a caller's register the
+/// bytes of an engine arena holding a read).
 static LENT: LazyLock<Mutex<BTreeMap<usize, (usize, u64)>>> = LazyLock::new(|| Mutex::new(BTreeMap::new()));
 
 fn lent() -> std::sync::MutexGuard<'static, BTreeMap<usize, (usize, u64)>> {
@@ -119,6 +121,18 @@ fn insert(e: Arc<EngineObj>, arena: Arena, kind: MemKind, base: usize, len: usiz
             submitting: AtomicUsize::new(0),
         }),
     }
+}
+
+/// An engine's own arena as a memory handle, its bytes in the ledger of
+/// open ranges (a fresh mapping overlaps none still open: the kernel gave
+/// it addresses nothing else holds).
+fn insert_arena(e: Arc<EngineObj>, arena: Arena, kind: MemKind) -> ws_memory {
+    let (base, len) = arena.region();
+    let (base, end) = (base as usize, base as usize + len);
+    let mut ranges = lent();
+    let m = insert(e, arena, kind, base, len);
+    ranges.insert(base, (end, m.id));
+    m
 }
 
 /// Lends `len` bytes of the caller's memory at `ptr` (page-aligned) to the
@@ -243,9 +257,7 @@ pub extern "C" fn ws_memory_unregister(memory: ws_memory, timeout_ms: u64) -> ws
         match arena.release(deadline.saturating_duration_since(Instant::now())) {
             Ok(()) => {
                 let _ = MEMORY.remove(memory.id);
-                if m.kind == MemKind::Caller {
-                    lent().remove(&m.base);
-                }
+                lent().remove(&m.base);
                 Ok(ws_status::WS_OK)
             }
             Err(arena) => {
@@ -338,8 +350,7 @@ pub unsafe extern "C" fn ws_arena_create(
             return Err(null("out"));
         }
         let arena = e.engine.packed_arena(bytes, populate != 0)?;
-        let (base, len) = arena.region();
-        let m = insert(e, arena, MemKind::Packed, base as usize, len);
+        let m = insert_arena(e, arena, MemKind::Packed);
         // SAFETY: checked non-NULL above; valid for a write (the contract).
         unsafe { out.write(m) };
         Ok(ws_status::WS_OK)
@@ -374,8 +385,7 @@ pub unsafe extern "C" fn ws_arena_create_slots(
         }
         let spec = ws::SlotSpec::new(slot_bytes).with_align(e.engine.direct_align());
         let arena = e.engine.arena(spec, count)?;
-        let (base, len) = arena.region();
-        let m = insert(e, arena, MemKind::Slots, base as usize, len);
+        let m = insert_arena(e, arena, MemKind::Slots);
         // SAFETY: checked non-NULL above; valid for a write (the contract).
         unsafe { out.write(m) };
         Ok(ws_status::WS_OK)

@@ -16,6 +16,8 @@
 #include <poll.h>
 #include <pthread.h>
 #include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -505,6 +507,15 @@ static void test_arenas(ws_model m, ws_engine e) {
     /* A held ticket is not spent by its wait: the same result again. */
     EXPECT(ws_ticket_wait(a1, 0, &again), WS_OK);
     CHECK(again.offset == r1.offset && again.data == r1.data, "a held ticket gives the same result again");
+    /* The arena's bytes cannot be lent again as caller memory while it is
+     * open (it holds a read): the same ledger as caller memory. */
+    {
+        unsigned char *base = (unsigned char *)r1.data - r1.offset;
+        ws_memory twice;
+        EXPECT(ws_memory_register(e, base, 4096, &twice), WS_ERR_BUSY);
+        EXPECT(ws_memory_register(e, (unsigned char *)((uintptr_t)r1.data & ~(uintptr_t)4095), 4096, &twice), WS_ERR_BUSY);
+        CHECK(strstr(ws_last_error(), "overlap") != NULL, "names the overlap: %s", ws_last_error());
+    }
     /* Its bytes stay reserved: a read onto them is refused. */
     ws_read onto = {.tensor = big.index, .start = 0, .end = 0, .at = r1.offset, .scratch = WS_SCRATCH_NONE, .flags = 0};
     ws_ticket t3;
@@ -571,6 +582,69 @@ static void test_arenas(ws_model m, ws_engine e) {
     EXPECT(ws_ticket_free(a1), WS_OK);
     EXPECT(ws_ticket_free(a2), WS_OK);
     EXPECT(ws_memory_unregister(mh, 60000), WS_OK);
+    munmap(mem, len);
+}
+
+/* Threads calling on an engine while another thread's shutdown of it is
+ * refused (a memory handle is open): they never see WS_ERR_HANDLE, which
+ * means a closed handle only. (Before: the shutdown took the engine out of
+ * its table and put it back, and calls in between failed as closed.) */
+struct hammer {
+    ws_engine e;
+    atomic_int *stop;
+    atomic_size_t calls;
+    size_t closed, other;
+};
+
+static void *hammer_main(void *arg) {
+    struct hammer *h = arg;
+    while (!atomic_load(h->stop)) {
+        size_t align = 0;
+        ws_status s = (h->calls & 1) ? ws_engine_direct_align(h->e, &align) : ws_engine_stats(h->e, &(ws_stats){0});
+        if (s == WS_ERR_HANDLE) h->closed++;
+        else if (s != WS_OK) h->other++;
+        atomic_fetch_add(&h->calls, 1);
+    }
+    return NULL;
+}
+
+static void test_refused_shutdown(ws_model m) {
+    ws_engine e;
+    EXPECT(ws_engine_create(m, NULL, &e), WS_OK);
+    size_t len = 1 << 20;
+    unsigned char *mem = page_memory(len);
+    ws_memory mh;
+    EXPECT(ws_memory_register(e, mem, len, &mh), WS_OK);
+    atomic_int stop = 0;
+    pthread_t th[4];
+    struct hammer h[4];
+    for (int i = 0; i < 4; i++) {
+        h[i] = (struct hammer){.e = e, .stop = &stop};
+        pthread_create(&th[i], NULL, hammer_main, &h[i]);
+    }
+    /* Enough calls for the old window to be hit (the review saw 1 to ~1800
+     * closed in ~400k); bounded in rounds, never in time. */
+    size_t refused = 0, wrong = 0, calls = 0;
+    for (int round = 0; (round < 20000 || calls < 200000) && round < 4000000; round++) {
+        ws_status s = ws_engine_shutdown(e, 0, NULL);
+        if (s == WS_ERR_BUSY) refused++;
+        else wrong++;
+        calls = 0;
+        for (int i = 0; i < 4; i++) calls += atomic_load(&h[i].calls);
+    }
+    atomic_store(&stop, 1);
+    size_t closed = 0, other = 0;
+    for (int i = 0; i < 4; i++) {
+        pthread_join(th[i], NULL);
+        closed += h[i].closed;
+        other += h[i].other;
+    }
+    CHECK(wrong == 0, "every shutdown with memory open is refused (%zu were not)", wrong);
+    CHECK(closed == 0 && other == 0, "%zu of %zu calls saw the live engine as closed, %zu failed otherwise (%zu shutdowns refused)",
+          closed, calls, other, refused);
+    EXPECT(ws_memory_unregister(mh, 60000), WS_OK);
+    EXPECT(ws_engine_shutdown(e, 10000, NULL), WS_OK);
+    EXPECT(ws_engine_shutdown(e, 10000, NULL), WS_ERR_HANDLE); /* closed now */
     munmap(mem, len);
 }
 
@@ -673,6 +747,7 @@ int main(int argc, char **argv) {
     test_arenas(m, e);
     test_fork(m);
     test_threads(m, e);
+    test_refused_shutdown(m);
     /* The reference writer's shards: odd sizes, tensors under a block and
      * empty ones, an odd header length; every one placed and read in place. */
     {
