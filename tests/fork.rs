@@ -568,6 +568,68 @@ fn a_slot_handed_to_children_is_protected_again_before_a_read_can_land_in_it() {
     );
     let again = arena.take().unwrap();
     assert!(kept_from_children(&again));
-    let s0 = engine.stats();
-    assert_eq!((s0.arena_inherit_failures, s0.arena_reprotect_leaks), (0, 0));
+}
+
+/// A payload placed at an exact offset (`read_into`, as slices are) may
+/// share its first or last page with the bytes around it. Handing it to
+/// children claims those bytes while it is inherited (no other slot can
+/// be carved there and read into while a child shares the page), and
+/// refuses, naming why, when another slot in use already holds them.
+#[test]
+fn a_payload_sharing_a_page_claims_its_neighbours_or_is_refused() {
+    let tmp = common::tempdir();
+    let dir = tmp.path().join("model");
+    let s = SynthSpec {
+        layers: 1,
+        experts: 2,
+        expert_bytes: 10_000,
+        shards: 1,
+        seed: 0xf5,
+        ..SynthSpec::default()
+    };
+    common::synth_model(&dir, &s);
+    let model = Model::open(ModelConfig::new(&dir)).unwrap();
+    let engine = Engine::new(&model, EngineConfig::default()).unwrap();
+    let ts = model.catalog().tensors();
+    let (a, b) = (&ts[0], &ts[1]);
+    let arena = engine.packed_arena(1 << 20, false).unwrap();
+    let free0 = arena.available();
+    // `a` at byte 100: its first page holds 100 free bytes before it.
+    let mut la = engine
+        .read_into(a, &arena, 100, weightstream::Scratch::None)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert!(weightstream_synth::verify(s.seed, la.name(), &la));
+    la.inherit_on_fork().unwrap();
+    let page = 4096;
+    let covered = (100 + a.len as usize).next_multiple_of(page);
+    assert_eq!(free0 - arena.available(), covered, "the fringe of its pages is claimed");
+    let err = engine.read_into(b, &arena, 0, weightstream::Scratch::None).unwrap_err();
+    assert!(err.to_string().contains("overlap"), "{err}");
+    drop(la);
+    assert_eq!(arena.available(), free0, "everything back");
+    // A neighbour in use on the same page: refused, nothing changed.
+    let held = engine
+        .read_into(b, &arena, 0, weightstream::Scratch::None)
+        .unwrap()
+        .wait()
+        .unwrap();
+    let at = (b.len as usize) + 8;
+    let refusals = engine.stats().arena_inherit_failures;
+    let mut la = engine
+        .read_into(a, &arena, at, weightstream::Scratch::None)
+        .unwrap()
+        .wait()
+        .unwrap();
+    let err = la.inherit_on_fork().unwrap_err();
+    assert!(
+        matches!(err, Error::ForkAdvice { .. }) && err.to_string().contains("another slot in use"),
+        "{err}"
+    );
+    assert!(!la.inherited_on_fork());
+    // Counted (process-wide: other tests may add theirs).
+    assert!(engine.stats().arena_inherit_failures > refusals);
+    drop((held, la));
+    assert_eq!(arena.available(), free0);
 }

@@ -760,7 +760,7 @@ impl Arena {
             len,
             spec,
             exact,
-            inherited: false,
+            inherited: None,
         }
     }
 
@@ -957,10 +957,21 @@ pub struct Slot {
     spec: SlotSpec,
     /// The payload lands at the slot's first byte (no scratch before it).
     exact: bool,
-    /// Its pages are `MADV_DOFORK` ([`Slot::inherit_on_fork`]): a forked
-    /// child has them. Made fork-protected again before the slot is read
-    /// into ([`Slot::protect_for_read`]) or goes back to its arena.
-    inherited: bool,
+    /// The pages handed to forked children ([`Slot::inherit_on_fork`]):
+    /// `MADV_DOFORK`, the slot's bytes rounded out to whole pages. Made
+    /// fork-protected again before the slot is read into
+    /// ([`Slot::protect_for_read`]) or goes back to its arena.
+    inherited: Option<Inherited>,
+}
+
+/// A slot's pages handed to forked children: the page range advised, and
+/// the free bytes around the slot that share its first and last page,
+/// claimed from the arena meanwhile (no other slot may be carved there
+/// and read into while a child would share the page).
+#[derive(Debug)]
+struct Inherited {
+    pages: std::ops::Range<usize>,
+    fringe: [Option<usize>; 2],
 }
 
 impl std::fmt::Debug for Slot {
@@ -1042,30 +1053,87 @@ impl Slot {
     }
 
     /// Lets processes forked from now on inherit this slot's pages, as
-    /// ordinary copy-on-write memory (`MADV_DOFORK` on exactly its pages:
-    /// a slot is whole pages, and no other slot shares one). Only for a
-    /// slot whose read has completed: no read writes it any more. Nothing
-    /// to do for caller memory (never advised here) or a mapping the
-    /// kernel would not protect in the first place.
+    /// ordinary copy-on-write memory: `MADV_DOFORK` on its bytes rounded
+    /// out to whole pages. A slot carved by the arena is whole pages; one
+    /// placed at an exact offset (`take_at`: a caller's offset, a slice)
+    /// may share its first or last page with bytes around it, which are
+    /// then claimed from the arena while the slot is inherited, so that no
+    /// other slot is carved there and read into while a child would share
+    /// the page. Only for a slot whose read has completed: no read writes
+    /// it any more. Nothing to do for caller memory (never advised here)
+    /// or a mapping the kernel would not protect in the first place.
     ///
     /// # Errors
-    /// [`Error::Forked`] in a forked child; [`Error::ForkAdvice`] when the
-    /// kernel refuses the advice (counted and warned once).
+    /// [`Error::Forked`] in a forked child; [`Error::ForkAdvice`] when a
+    /// page of the slot holds bytes of another slot in use, or the kernel
+    /// refuses the advice (both counted and warned once).
     pub(crate) fn inherit_on_fork(&mut self) -> Result<()> {
         let region = &self.map.region;
-        if self.inherited || region.borrowed || !region.dontfork || self.map.inherited.load(Ordering::Acquire) {
+        if self.inherited.is_some() || region.borrowed || !region.dontfork || self.map.inherited.load(Ordering::Acquire)
+        {
             return Ok(());
         }
         self.map.origin.check()?;
-        region
-            .advise_fork(self.offset, self.len, ForkAdvice::Inherit)
-            .map_err(|source| Error::ForkAdvice {
-                advice: "MADV_DOFORK",
-                bytes: self.len,
-                source,
-            })?;
-        self.inherited = true;
+        let page = page_size();
+        let end = self.offset + self.len.max(1);
+        let pages = self.offset / page * page..end.next_multiple_of(page).min(region.len);
+        let refused = |source: std::io::Error| Error::ForkAdvice {
+            advice: "MADV_DOFORK",
+            bytes: self.len,
+            source,
+        };
+        let fringe = self
+            .claim_fringe(&pages)
+            .map_err(|why| refused(region.refuse_fork_advice(why)))?;
+        if let Err(e) = region.advise_fork(pages.start, pages.len(), ForkAdvice::Inherit) {
+            self.give_back_fringe(fringe);
+            return Err(refused(e));
+        }
+        self.inherited = Some(Inherited { pages, fringe });
         Ok(())
+    }
+
+    /// Claims the free bytes of `pages` outside the slot (its first and
+    /// last page's other bytes), or says why not: another slot holds some.
+    fn claim_fringe(&self, pages: &std::ops::Range<usize>) -> std::result::Result<[Option<usize>; 2], String> {
+        let end = self.offset + self.len.max(1);
+        if pages.start == self.offset && pages.end <= end {
+            return Ok([None, None]);
+        }
+        let Carve::Packed { extents, .. } = &self.map.carve else {
+            // A fixed arena's slots are whole pages.
+            return Ok([None, None]);
+        };
+        let mut e = lock(extents);
+        let before = (pages.start < self.offset).then(|| (pages.start, self.offset - pages.start));
+        let after = (end < pages.end).then(|| (end, pages.end - end));
+        let mut got = [None, None];
+        for (k, part) in [before, after].into_iter().enumerate() {
+            let Some((at, n)) = part else { continue };
+            match e.take_at(at, n) {
+                Some(_) => got[k] = Some(at),
+                None => {
+                    for at in got.into_iter().flatten() {
+                        e.give_back(at);
+                    }
+                    return Err(format!(
+                        "bytes [{at}, {}) of its {} page hold another slot in use",
+                        at + n,
+                        if k == 0 { "first" } else { "last" }
+                    ));
+                }
+            }
+        }
+        Ok(got)
+    }
+
+    fn give_back_fringe(&self, fringe: [Option<usize>; 2]) {
+        if let Carve::Packed { extents, .. } = &self.map.carve {
+            let mut e = lock(extents);
+            for at in fringe.into_iter().flatten() {
+                e.give_back(at);
+            }
+        }
     }
 
     /// Whether this slot's memory is kept from forked children at all
@@ -1076,7 +1144,26 @@ impl Slot {
 
     /// Whether this slot's pages are handed to forked children now.
     pub(crate) fn inherited(&self) -> bool {
-        self.inherited || self.map.inherited.load(Ordering::Acquire)
+        self.inherited.is_some() || self.map.inherited.load(Ordering::Acquire)
+    }
+
+    /// Protects the inherited pages again and gives the claimed fringe
+    /// back; `false` (the pages still inherited, the fringe kept) when the
+    /// kernel refuses (counted and warned once).
+    fn protect(&mut self) -> std::io::Result<()> {
+        let Some(inh) = self.inherited.take() else {
+            return Ok(());
+        };
+        if let Err(e) = self
+            .map
+            .region
+            .advise_fork(inh.pages.start, inh.pages.len(), ForkAdvice::Protect)
+        {
+            self.inherited = Some(inh);
+            return Err(e);
+        }
+        self.give_back_fringe(inh.fringe);
+        Ok(())
     }
 
     /// Makes an inherited slot fork-protected again before a read lands in
@@ -1092,25 +1179,17 @@ impl Slot {
                 "a slot of a mapping handed to forked children cannot be read into again".into(),
             ));
         }
-        if !self.inherited {
-            return Ok(());
-        }
-        self.map
-            .region
-            .advise_fork(self.offset, self.len, ForkAdvice::Protect)
-            .map_err(|source| Error::ForkAdvice {
-                advice: "MADV_DONTFORK",
-                bytes: self.len,
-                source,
-            })?;
-        self.inherited = false;
-        Ok(())
+        self.protect().map_err(|source| Error::ForkAdvice {
+            advice: "MADV_DONTFORK",
+            bytes: self.len,
+            source,
+        })
     }
 
     /// A clear panic instead of a segmentation fault: a slot of a parent's
     /// arena touched in a forked child (its pages are `MADV_DONTFORK`).
     fn assert_mapped(&self) {
-        if !self.inherited && self.map.unmapped_here() {
+        if self.inherited.is_none() && self.map.unmapped_here() {
             panic!(
                 "a weightstream slot was touched in a forked child: arenas are MADV_DONTFORK, their pages exist only in the parent"
             );
@@ -1168,15 +1247,13 @@ impl Drop for Slot {
         // mapping goes with its last slot. A refusal keeps the extent out
         // of use (counted and warned once) rather than free to be read
         // into while a child would share it.
-        if self.inherited
-            && self.map.handles.load(Ordering::Acquire) > 0
-            && self
-                .map
-                .region
-                .advise_fork(self.offset, self.len, ForkAdvice::Protect)
-                .is_err()
-        {
+        if self.inherited.is_some() && self.map.handles.load(Ordering::Acquire) > 0 && self.protect().is_err() {
             return;
+        }
+        // With no handle left, the fringe (if any) goes back with the slot
+        // (nothing can be carved from the arena any more).
+        if let Some(inh) = self.inherited.take() {
+            self.give_back_fringe(inh.fringe);
         }
         match &self.map.carve {
             Carve::Fixed { slot_len, free, .. } => lock(free).push(self.offset / slot_len),

@@ -93,6 +93,26 @@ pub(crate) enum ForkAdvice {
     Protect,
 }
 
+/// Counts a refused fork advice by what it costs, and warns once per kind.
+fn note_refusal(advice: ForkAdvice, len: usize, e: &std::io::Error) {
+    let (count, warned, what) = match advice {
+        ForkAdvice::Inherit => (
+            &INHERIT_FAILURES,
+            &INHERIT_WARNED,
+            "a forked child will not have these bytes (counted in Stats::arena_inherit_failures)",
+        ),
+        ForkAdvice::Protect => (
+            &REPROTECT_LEAKS,
+            &REPROTECT_WARNED,
+            "the slot is kept out of use for the arena's life (counted in Stats::arena_reprotect_leaks)",
+        ),
+    };
+    count.fetch_add(1, Ordering::Relaxed);
+    if !warned.swap(true, Ordering::Relaxed) {
+        tracing::warn!("fork advice {advice:?} on {len} bytes of an arena refused: {e}; {what} (said once)");
+    }
+}
+
 impl Region {
     /// Sets whether a forked child inherits the pages of
     /// `offset..offset + len` (page-aligned, inside the region). Our own
@@ -114,24 +134,19 @@ impl Region {
         );
         let r = self.madvise_fork(offset, len, advice);
         if let Err(e) = &r {
-            let (count, warned, what) = match advice {
-                ForkAdvice::Inherit => (
-                    &INHERIT_FAILURES,
-                    &INHERIT_WARNED,
-                    "a forked child will not have these bytes (counted in Stats::arena_inherit_failures)",
-                ),
-                ForkAdvice::Protect => (
-                    &REPROTECT_LEAKS,
-                    &REPROTECT_WARNED,
-                    "the slot is kept out of use for the arena's life (counted in Stats::arena_reprotect_leaks)",
-                ),
-            };
-            count.fetch_add(1, Ordering::Relaxed);
-            if !warned.swap(true, Ordering::Relaxed) {
-                tracing::warn!("madvise({advice:?}) on {len} bytes of an arena failed: {e}; {what} (said once)");
-            }
+            note_refusal(advice, len, e);
         }
         r
+    }
+
+    /// A hand-over to forked children refused before the kernel is asked
+    /// (`why`: a page it would share holds another slot in use): counted
+    /// and warned once as the kernel's refusals are, and returned as the
+    /// error to give.
+    pub(crate) fn refuse_fork_advice(&self, why: String) -> std::io::Error {
+        let e = std::io::Error::other(why);
+        note_refusal(ForkAdvice::Inherit, 0, &e);
+        e
     }
 
     #[cfg(not(miri))]
