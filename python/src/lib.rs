@@ -101,12 +101,19 @@ fn open(py: Python<'_>, config: ws::ModelConfig) -> PyResult<(ws::Model, ws::Eng
 
 /// A file or a model, open, with an engine: what `safe_open` wraps.
 ///
+/// Any number of threads use one reader at once (transformers reads a
+/// checkpoint from a thread pool over one `safe_open`): the class is
+/// frozen (no borrow flag to trip over), and no lock of it is ever held
+/// across a release of the GIL, so a thread that waits for one with the
+/// GIL held never waits for a thread that needs the GIL to let it go.
+///
 /// Fields drop in order: the read-ahead's tickets first, then the arena
 /// handle, then the engine.
-#[pyclass(module = "weightstream._native")]
+#[pyclass(module = "weightstream._native", frozen)]
 struct Reader {
     /// Read-ahead of whole tensors in file order (what a loop of
     /// `get_tensor` over the keys asks for next), into the shared arena.
+    /// Locked only with the GIL released, never across a wait.
     ahead: std::sync::Mutex<Ahead>,
     /// Memory for `read`s: one packed arena for every tensor of the file or
     /// model (not registered: see [`read_once_arena`]; each page faulted by
@@ -116,11 +123,104 @@ struct Reader {
     /// When the arena has no room (tensors kept and read again), a read
     /// gets an arena of its own.
     /// `Some(None)`: the kernel refused it (said once); each read then has
-    /// memory of its own.
+    /// memory of its own. Locked only to look at or set the handle.
     arena: std::sync::Mutex<Option<Option<ws::Arena>>>,
-    engine: Option<ws::Engine>,
+    engine: Gate,
     model: ws::Model,
     path: String,
+    /// The process that opened it: a forked child may read the tensors
+    /// its parent was handed, but not use the reader (its engine's I/O
+    /// threads are the parent's, and a parent thread may have held one of
+    /// its locks at the fork). Checked before any lock is taken.
+    pid: u32,
+}
+
+/// The engine of a reader, and the calls using it: each call holds a
+/// [`InUse`] (a counted handle) for as long as it runs, and `close` takes
+/// the engine away (no call starts after it), then waits for the calls
+/// already in, with the GIL released. The lock is held only to clone or
+/// take the handle and count, never across a wait or a GIL release.
+struct Gate {
+    state: std::sync::Mutex<GateState>,
+    idle: std::sync::Condvar,
+}
+
+struct GateState {
+    engine: Option<Arc<ws::Engine>>,
+    /// Calls holding the engine now.
+    calls: usize,
+}
+
+/// One call's hold on a reader's engine (see [`Gate`]).
+struct InUse<'a> {
+    gate: &'a Gate,
+    engine: Arc<ws::Engine>,
+}
+
+impl std::ops::Deref for InUse<'_> {
+    type Target = ws::Engine;
+    fn deref(&self) -> &ws::Engine {
+        &self.engine
+    }
+}
+
+impl Drop for InUse<'_> {
+    fn drop(&mut self) {
+        let mut g = self.gate.lock();
+        g.calls -= 1;
+        if g.calls == 0 {
+            self.gate.idle.notify_all();
+        }
+    }
+}
+
+impl Gate {
+    fn new(engine: ws::Engine) -> Self {
+        Gate {
+            state: std::sync::Mutex::new(GateState {
+                engine: Some(Arc::new(engine)),
+                calls: 0,
+            }),
+            idle: std::sync::Condvar::new(),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, GateState> {
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The engine for one call; `None` once closed.
+    fn enter(&self) -> Option<InUse<'_>> {
+        let mut g = self.lock();
+        let engine = Arc::clone(g.engine.as_ref()?);
+        g.calls += 1;
+        Some(InUse { gate: self, engine })
+    }
+
+    fn is_open(&self) -> bool {
+        self.lock().engine.is_some()
+    }
+
+    /// Takes the engine away (no call starts after this), then waits until
+    /// `deadline` for the calls already in: the engine, and the calls left
+    /// when the deadline came (0 when every call finished). `None` when it
+    /// was already closed. Call with the GIL released.
+    fn close(&self, deadline: std::time::Instant) -> Option<(Arc<ws::Engine>, usize)> {
+        let mut g = self.lock();
+        let engine = g.engine.take()?;
+        while g.calls > 0 {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            g = self
+                .idle
+                .wait_timeout(g, left)
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .0;
+        }
+        Some((engine, g.calls))
+    }
 }
 
 /// Tensors read ahead of `get_tensor`: after a whole-tensor read, the next
@@ -141,6 +241,19 @@ struct Ahead {
 /// Read-ahead bounds: bytes and reads started and not yet asked for.
 const AHEAD_BYTES: u64 = 64 << 20;
 const AHEAD_READS: usize = 32;
+
+/// A completed read's bytes as a payload Python owns: handed to processes
+/// forked from now on (`Loaded::inherit_on_fork`), so a forked worker
+/// (multiprocessing, a DataLoader, a pre-fork server) reads the tensors its
+/// parent holds, as it would safetensors'. No read writes these pages any
+/// more. A refusal by the kernel is counted in the engine's stats and
+/// warned there (`inherit_failed`); the payload stays good here.
+fn payload(mut loaded: ws::Loaded) -> Payload {
+    let _ = loaded.inherit_on_fork();
+    Payload {
+        bytes: Arc::new(Bytes::Loaded(loaded)),
+    }
+}
 
 impl Reader {
     /// A whole tensor: its read-ahead read if one was started, else a read
@@ -202,47 +315,93 @@ impl Reader {
             })
             .map_err(to_py)?;
         let loaded = py.detach(|| ticket.wait()).map_err(to_py)?;
-        Ok(Payload {
-            bytes: Arc::new(Bytes::Loaded(loaded)),
-        })
+        Ok(payload(loaded))
     }
 
     /// The shared arena (a handle to it), made at the first read; None when
-    /// the kernel refused the memory (each read then gets its own).
+    /// the kernel refused the memory (each read then gets its own). The
+    /// lock is held only to look at and set the handle: the mapping is made
+    /// with the GIL released and no lock held, so threads that ask at once
+    /// may each map one, and all but the first drop theirs.
     fn shared_arena(&self, py: Python<'_>, engine: &ws::Engine) -> PyResult<Option<ws::Arena>> {
-        let mut g = self.arena.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if g.is_none() {
-            let all: Vec<&ws::TensorRef> = self.model.catalog().tensors().iter().collect();
-            let bytes = engine.placement_bytes(&all).map_err(to_py)?;
-            match py.detach(|| read_once_arena(engine, bytes.max(4096))) {
-                Ok(a) => *g = Some(Some(a)),
-                // Not silent: each read then gets memory of its own (slower,
-                // never wrong); said once, for this file.
-                Err(e) => {
-                    let msg = format!(
-                        "{}: no shared memory for reads ({e}); each tensor is read into memory of its own",
-                        self.path
-                    );
-                    pyo3::PyErr::warn(
-                        py,
-                        &py.get_type::<pyo3::exceptions::PyResourceWarning>(),
-                        &std::ffi::CString::new(msg).unwrap_or_default(),
-                        1,
-                    )?;
+        let lock = || self.arena.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(made) = lock().clone() {
+            return Ok(made);
+        }
+        let all: Vec<&ws::TensorRef> = self.model.catalog().tensors().iter().collect();
+        let bytes = engine.placement_bytes(&all).map_err(to_py)?;
+        let made = py.detach(|| read_once_arena(engine, bytes.max(4096)));
+        let (out, refused) = {
+            let mut g = lock();
+            match (&*g, made) {
+                (Some(first), _) => (first.clone(), None),
+                (None, Ok(a)) => {
+                    *g = Some(Some(a.clone()));
+                    (Some(a), None)
+                }
+                (None, Err(e)) => {
                     *g = Some(None);
+                    (None, Some(e))
                 }
             }
+        };
+        if let Some(e) = refused {
+            // Not silent: each read then gets memory of its own (slower,
+            // never wrong); said once, for this file (no lock held).
+            let msg = format!(
+                "{}: no shared memory for reads ({e}); each tensor is read into memory of its own",
+                self.path
+            );
+            pyo3::PyErr::warn(
+                py,
+                &py.get_type::<pyo3::exceptions::PyResourceWarning>(),
+                &std::ffi::CString::new(msg).unwrap_or_default(),
+                1,
+            )?;
         }
-        Ok(g.clone().flatten())
+        Ok(out)
     }
 
-    fn engine(&self) -> PyResult<&ws::Engine> {
-        self.engine
-            .as_ref()
-            .ok_or_else(|| PyValueError::new_err(format!("{}: closed", self.path)))
+    /// The engine for one call, or `SafetensorError` naming the file once
+    /// the reader is closed (or in a forked child).
+    fn engine(&self) -> PyResult<InUse<'_>> {
+        self.not_forked()?;
+        self.engine.enter().ok_or_else(|| self.closed())
+    }
+
+    /// `SafetensorError` in a forked child, before any lock is looked at.
+    fn not_forked(&self) -> PyResult<()> {
+        let here = std::process::id();
+        if here == self.pid {
+            return Ok(());
+        }
+        Err(SafetensorError::new_err(format!(
+            "{}: opened in process {}, used in its forked child {here}: the tensors it returned are readable here, \
+             the reader is not (open the file again in this process)",
+            self.path, self.pid
+        )))
+    }
+
+    fn closed(&self) -> PyErr {
+        SafetensorError::new_err(format!(
+            "{}: the file is closed (safe_open's with block has ended)",
+            self.path
+        ))
+    }
+
+    /// `SafetensorError` once closed: every method of a closed reader
+    /// raises, as safetensors' does.
+    fn check_open(&self) -> PyResult<()> {
+        self.not_forked()?;
+        if self.engine.is_open() {
+            Ok(())
+        } else {
+            Err(self.closed())
+        }
     }
 
     fn tensor(&self, name: &str) -> PyResult<&ws::TensorRef> {
+        self.check_open()?;
         self.model.tensor(name).map_err(to_py)
     }
 }
@@ -289,9 +448,7 @@ fn read_one(
             engine.read(part, slot)?.wait()
         })
         .map_err(to_py)?;
-    Ok(Payload {
-        bytes: Arc::new(Bytes::Loaded(loaded)),
-    })
+    Ok(payload(loaded))
 }
 
 #[pymethods]
@@ -313,26 +470,30 @@ impl Reader {
         let (model, engine) = open(py, config)?;
         Ok(Reader {
             model,
-            engine: Some(engine),
+            engine: Gate::new(engine),
             path: path.to_string(),
             arena: std::sync::Mutex::new(None),
             ahead: std::sync::Mutex::new(Ahead::default()),
+            pid: std::process::id(),
         })
     }
 
     /// Every tensor name, sorted.
-    fn keys(&self) -> Vec<String> {
-        self.model.catalog().tensors().iter().map(|t| t.name.clone()).collect()
+    fn keys(&self) -> PyResult<Vec<String>> {
+        self.check_open()?;
+        Ok(self.model.catalog().tensors().iter().map(|t| t.name.clone()).collect())
     }
 
     /// The `__metadata__` of the file (of the first shard that has one for
     /// a model), or None.
-    fn metadata(&self) -> Option<std::collections::HashMap<String, String>> {
-        self.model
+    fn metadata(&self) -> PyResult<Option<std::collections::HashMap<String, String>>> {
+        self.check_open()?;
+        Ok(self
+            .model
             .catalog()
             .shards()
             .iter()
-            .find_map(|s| s.header.metadata.clone())
+            .find_map(|s| s.header.metadata.clone()))
     }
 
     /// `(dtype, shape, nbytes, file_offset)` of `name`.
@@ -347,10 +508,10 @@ impl Reader {
     fn read(&self, py: Python<'_>, name: &str, start: Option<u64>, end: Option<u64>) -> PyResult<Payload> {
         let t = self.tensor(name)?;
         let engine = self.engine()?;
-        let shared = self.shared_arena(py, engine)?;
+        let shared = self.shared_arena(py, &engine)?;
         let shared = shared.as_ref();
         match (start, end) {
-            (None, None) => self.read_whole(py, engine, shared, t),
+            (None, None) => self.read_whole(py, &engine, shared, t),
             (s, e) => {
                 let (s, e) = (s.unwrap_or(0), e.unwrap_or(t.len));
                 if s == e && s <= t.len {
@@ -361,7 +522,7 @@ impl Reader {
                 let part = t
                     .byte_range(s..e)
                     .map_err(|err| PyValueError::new_err(err.to_string()))?;
-                read_one(py, engine, shared, &part)
+                read_one(py, &engine, shared, &part)
             }
         }
     }
@@ -377,22 +538,20 @@ impl Reader {
         let slice = t.slice(&ranges).map_err(|e| PyValueError::new_err(e.to_string()))?;
         let loaded = py
             .detach(|| -> ws::Result<ws::Loaded> {
-                let memory = read_once_arena(engine, slice_room(&slice, engine.direct_align()))?;
+                let memory = read_once_arena(&engine, slice_room(&slice, engine.direct_align()))?;
                 let at = slice_offset(&slice, 0, engine.direct_align());
                 engine.read_slice(&slice, &memory, at, ws::Scratch::Before)?.wait()
             })
             .map_err(to_py)?;
-        Ok(Payload {
-            bytes: Arc::new(Bytes::Loaded(loaded)),
-        })
+        Ok(payload(loaded))
     }
 
     /// Reads `name` (or bytes `[start, end)` of it) into `nbytes` bytes at
     /// address `address`: the memory of a tensor or array the Python layer
     /// checked (contiguous, writable, on the CPU, of this size) and keeps
     /// alive, and that nothing else touches, during this call (which
-    /// returns only once the read is complete). Private: the Python layer's
-    /// `Engine.read_into` is the API.
+    /// returns only once the read is complete). An empty range reads
+    /// nothing. Private: the Python layer's `Engine.read_into` is the API.
     #[pyo3(signature = (name, address, nbytes, start=None, end=None))]
     fn _read_into_address(
         &self,
@@ -404,21 +563,28 @@ impl Reader {
         end: Option<u64>,
     ) -> PyResult<()> {
         let t = self.tensor(name)?;
-        let part = match (start, end) {
-            (None, None) => t.clone(),
-            (s, e) => t
-                .byte_range(s.unwrap_or(0)..e.unwrap_or(t.len))
-                .map_err(|err| PyValueError::new_err(err.to_string()))?,
-        };
-        if part.len as usize != nbytes {
+        let (s, e) = (start.unwrap_or(0), end.unwrap_or(t.len));
+        if s > e || e > t.len {
+            return Err(PyValueError::new_err(format!(
+                "tensor {name}: bytes [{s}, {e}) are not inside its {} bytes",
+                t.len
+            )));
+        }
+        if e - s != nbytes as u64 {
             return Err(PyValueError::new_err(format!(
                 "tensor {name}: {} bytes to read, the buffer has {nbytes}",
-                part.len
+                e - s
             )));
         }
         if nbytes == 0 {
             return Ok(());
         }
+        let part = if (s, e) == (0, t.len) {
+            t.clone()
+        } else {
+            t.byte_range(s..e)
+                .map_err(|err| PyValueError::new_err(err.to_string()))?
+        };
         if address == 0 {
             return Err(PyValueError::new_err("a NULL buffer"));
         }
@@ -450,22 +616,52 @@ impl Reader {
         serde_json::to_string(&self.engine()?.stats()).map_err(|e| PyValueError::new_err(e.to_string()))
     }
 
-    /// Stops the engine (bounded: `timeout` seconds for reads in flight;
-    /// payloads already handed out stay valid). Returns whether it drained.
+    /// Whether the reader is still open (false in a forked child).
+    fn is_open(&self) -> bool {
+        self.not_forked().is_ok() && self.engine.is_open()
+    }
+
+    /// Stops the engine. No call starts after this; calls already running
+    /// on other threads finish first (waited for up to `timeout` seconds,
+    /// with the GIL released), then the engine's reads in flight get the
+    /// rest of `timeout` (bounded: payloads already handed out stay
+    /// valid). Returns whether everything drained; a second close does
+    /// nothing and returns True. Never raises for reads in flight: a call
+    /// still running at the deadline finishes normally, and the engine
+    /// goes with the last of them.
     #[pyo3(signature = (timeout=10.0))]
-    fn close(&mut self, py: Python<'_>, timeout: f64) -> bool {
-        // Payloads already handed out keep their slots (and so the arena's
-        // memory) alive; only the handle is dropped here. Read-ahead reads
-        // nobody asked for are dropped: they finish into the arena.
-        self.arena
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .take();
-        *self.ahead.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Ahead::default();
-        match self.engine.take() {
-            Some(e) => py.detach(|| e.shutdown(Duration::from_secs_f64(timeout.clamp(0.0, 3600.0))).drained),
-            None => true,
+    fn close(&self, py: Python<'_>, timeout: f64) -> bool {
+        if self.not_forked().is_err() {
+            // A forked child: nothing of the parent's engine is touched
+            // (its locks may have been held at the fork); leaving a with
+            // block there does not raise.
+            return false;
         }
+        let timeout = Duration::from_secs_f64(timeout.clamp(0.0, 3600.0));
+        py.detach(|| {
+            let deadline = std::time::Instant::now() + timeout;
+            let Some((engine, calls_left)) = self.engine.close(deadline) else {
+                return true;
+            };
+            // Payloads already handed out keep their slots (and so the
+            // arena's memory) alive; only the handle is dropped here.
+            // Read-ahead reads nobody asked for are dropped: they finish
+            // into the arena.
+            *self.ahead.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Ahead::default();
+            self.arena
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .take();
+            match Arc::try_unwrap(engine) {
+                Ok(e) if calls_left == 0 => {
+                    e.shutdown(deadline.saturating_duration_since(std::time::Instant::now()))
+                        .drained
+                }
+                // A call outlived the deadline: it holds the engine, which
+                // goes (waiting for its reads) when that call ends.
+                _ => false,
+            }
+        })
     }
 }
 
@@ -538,8 +734,11 @@ fn catalog(
 /// A tensor or slice a load read: name, dtype, shape, its bytes.
 type Landed = (String, String, Vec<usize>, ws::Loaded);
 
-/// Bytes of slices kept in flight by a load with `parts` (their pieces'
-/// staging is bounded by it, not by the model).
+/// Bytes a load with `parts` keeps in flight for its slices: each slice
+/// counts its own bytes plus the staging its pieces may hold (what the
+/// drives move for it, at most the engine's per-slice window), so the
+/// staging of many sparse slices at once is bounded by this, not by the
+/// model.
 const SLICES_IN_FLIGHT: u64 = 256 << 20;
 
 /// The slices of a load (`parts`: name -> a range per leading dimension),
@@ -570,14 +769,23 @@ fn load_slices(
     let mut out = Vec::with_capacity(slices.len());
     let mut pending: std::collections::VecDeque<(usize, ws::SliceTicket)> = Default::default();
     let mut in_flight = 0u64;
+    let window = engine.slice_staging() as u64;
+    let weight = |s: &ws::TensorSlice| {
+        let staging = if s.is_contiguous() {
+            0
+        } else {
+            engine.slice_plan(s).read.min(window)
+        };
+        s.len() + staging
+    };
     for (i, s) in slices.iter().enumerate() {
-        while in_flight > 0 && in_flight + s.len() > SLICES_IN_FLIGHT {
+        while in_flight > 0 && in_flight + weight(s) > SLICES_IN_FLIGHT {
             let (k, t) = pending.pop_front().expect("bytes in flight are pending reads");
-            in_flight -= slices[k].len();
+            in_flight -= weight(&slices[k]);
             out.push((k, t.wait()?));
         }
         pending.push_back((i, engine.read_slice(s, &memory, at[i], ws::Scratch::Before)?));
-        in_flight += s.len();
+        in_flight += weight(s);
     }
     for (k, t) in pending {
         out.push((k, t.wait()?));
@@ -650,7 +858,10 @@ fn load(
                 let keep = move |t: &ws::TensorRef| {
                     !sliced.contains(&t.name) && only.as_ref().is_none_or(|o| o.contains(&t.name))
                 };
-                let whole_left = model.catalog().tensors().iter().any(&keep);
+                // Whole tensors left to read: those the name filter keeps
+                // and no slice takes (a load whose every named tensor is
+                // sliced reads slices only).
+                let whole_left = model.catalog().tensors().iter().any(|t| opts.selects(t) && keep(t));
                 if !parts.is_empty() || whole_left {
                     opts = opts.filter(keep);
                 }
@@ -658,7 +869,9 @@ fn load(
                 let mut meta: Vec<(String, String, Vec<usize>)> = Vec::new();
                 let mut all: Vec<ws::Loaded> = Vec::new();
                 let mut bytes = 0u64;
-                if whole_left {
+                // With no slice either, load_all says what selected nothing
+                // (the names, the filter).
+                if whole_left || parts.is_empty() {
                     let loaded = engine.load_all(&opts)?;
                     bytes += loaded.report().bytes;
                     meta = loaded
@@ -672,12 +885,24 @@ fn load(
                     meta.push((name, dtype, shape));
                     all.push(l);
                 }
+                // Handed to processes forked from now on (see `payload`):
+                // the whole mapping of `load_all` already is (one check
+                // each); each slice's pages here, off the caller's thread.
+                for l in &mut all {
+                    let _ = l.inherit_on_fork();
+                }
                 let seconds = t0.elapsed().as_secs_f64();
+                // What the slices cost: the drives move whole blocks, so a
+                // narrow column of a wide tensor reads far more than it holds.
+                let sl = engine.stats().slices;
                 let report = format!(
-                    "{{\"tensors\": {}, \"bytes\": {bytes}, \"seconds\": {seconds}, \"gbps\": {}, \"slices\": {}}}",
+                    "{{\"tensors\": {}, \"bytes\": {bytes}, \"seconds\": {seconds}, \"gbps\": {}, \"slices\": {}, \
+                     \"slice_bytes_wanted\": {}, \"slice_bytes_read\": {}}}",
                     meta.len(),
                     bytes as f64 / seconds.max(1e-9) / 1e9,
-                    parts.len()
+                    parts.len(),
+                    sl.bytes_wanted,
+                    sl.bytes_read
                 );
                 engine_kept = Some(engine);
                 Ok((meta, all, report))
@@ -877,13 +1102,14 @@ impl Stream {
         };
         // The next reads start before Python works on this one.
         let waited = match ticket {
-            Ok(None) => Ok(Bytes::Empty),
-            Ok(Some(ticket)) => py.detach(|| ticket.wait()).map(Bytes::Loaded),
+            Ok(None) => Ok(Payload {
+                bytes: Arc::new(Bytes::Empty),
+            }),
+            Ok(Some(ticket)) => py.detach(|| ticket.wait().map(payload)),
             Err(e) => Err(e),
         };
         self.fill();
-        let bytes = waited.map_err(to_py)?;
-        Ok(Some((name, dtype, shape, Payload { bytes: Arc::new(bytes) })))
+        Ok(Some((name, dtype, shape, waited.map_err(to_py)?)))
     }
 }
 

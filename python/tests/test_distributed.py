@@ -225,3 +225,58 @@ def test_ranks_sharing_a_node_read_their_own_drive(model, tmp_path):
         assert by[1][dev_b] >= in_b, (by, in_b)
     finally:
         shutil.rmtree(b, ignore_errors=True)
+
+
+def write_raw(path, tensors):
+    """A safetensors file of raw tensors: {name: (dtype, shape, bytes)}
+    (dtypes torch cannot write, such as F6)."""
+    import struct
+
+    header, data = {}, b""
+    for name, (dtype, shape, raw) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    path.write_bytes(struct.pack("<Q", len(h)) + h + data)
+
+
+@pytest.mark.parametrize("odd", ["F6_E2M3", "empty F6_E3M2"])
+def test_a_dtype_torch_lacks_raises_on_every_rank_naming_the_tensor(tmp_path, odd):
+    """A tensor whose dtype the installed torch has no type for (F6, or an
+    empty one of it) is said by every rank before the exchange, naming the
+    tensor and its file; no receiver raises TypeError mid-exchange while
+    the reader waits out the group's timeout."""
+    require("torch")
+    d = tmp_path / "odd"
+    d.mkdir()
+    dtype = odd.split()[-1]
+    shape, raw = ([0, 4], b"") if odd.startswith("empty") else ([4, 4], bytes(range(12)))
+    write_raw(
+        d / "model.safetensors",
+        {"a.weight": ("F32", [8], bytes(32)), "b.mx": (dtype, shape, raw), "c.fp4": ("F4", [2, 8], bytes(range(8)))},
+    )
+    results = run(d, 2, "all", tmp_path)
+    for r, res in enumerate(results):
+        assert res and "error" in res, (r, res)
+        e = res["error"]
+        assert e.startswith("DistributedLoadError: rank ") and "tensor b.mx" in e and dtype in e, e
+        assert "model.safetensors" in e, e
+
+
+def test_fp4_travels_as_torch_float4(tmp_path):
+    """F4 (two elements a byte) is torch's float4_e2m1fn_x2 with the last
+    dimension halved, on the rank that read it and on the ones that
+    received it, byte for byte."""
+    torch = require("torch")
+    if not hasattr(torch, "float4_e2m1fn_x2"):
+        pytest.skip("this torch has no float4_e2m1fn_x2")
+    d = tmp_path / "fp4"
+    d.mkdir()
+    raws = {f"l{i}.fp4": bytes((7 * i + k) % 256 for k in range(64)) for i in range(4)}
+    write_raw(d / "model.safetensors", {n: ("F4", [8, 16], raw) for n, raw in raws.items()} | {"s": ("F8_E8M0", [3], b"\x01\x02\x03")})
+    results = run(d, 2, "all", tmp_path)
+    for r, res in enumerate(results):
+        assert res and "error" not in res, (r, res)
+        for n, raw in raws.items():
+            assert res["tensors"][n] == ["torch.float4_e2m1fn_x2", [8, 8], hashlib.sha256(raw).hexdigest()], (r, n)

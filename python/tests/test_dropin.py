@@ -85,9 +85,49 @@ def test_bad_indexes_are_safetensors_errors(np_model):
     path, _ = np_model
     with safe_open(path, framework="np") as f:
         s = f.get_slice("big")
-        for bad in (np.s_[::2], np.s_[:, ::-1], np.s_[1000], np.s_[:, 700], np.s_[0, 0, 0], np.s_[..., ...], np.s_["a"]):
+        for bad in (np.s_[::-2], np.s_[:, ::-1], np.s_[1000], np.s_[:, 700], np.s_[0, 0, 0], np.s_[..., ...], np.s_["a"]):
             with pytest.raises(weightstream.SafetensorError, match="big"):
                 s[bad]
+
+
+# What safetensors 0.8.0 returns, and so must the drop-in: an all-int index
+# is a 0-d array, so is `[()]` or `[...]` of a scalar; a step in the first
+# dimension keeps every n-th row.
+ZERO_D_AND_ROW_STEPS = [
+    ("big", np.s_[0, 0]),
+    ("big", np.s_[999, 699]),
+    ("big", np.s_[-1, -1]),
+    ("scalar", np.s_[()]),
+    ("scalar", np.s_[...]),
+    ("big", np.s_[::2]),
+    ("big", np.s_[1:900:7]),
+    ("big", np.s_[::3, 5]),
+    ("big", np.s_[10::100, 3:9:2]),
+]
+
+
+@pytest.mark.parametrize("name,sl", ZERO_D_AND_ROW_STEPS, ids=[f"{n}{s}" for n, s in ZERO_D_AND_ROW_STEPS])
+def test_zero_d_results_and_row_steps_equal_safetensors(np_model, name, sl):
+    from safetensors import safe_open as st_open
+
+    path, arrays = np_model
+    with safe_open(path, framework="np") as f, st_open(path, framework="np") as g:
+        x, y = f.get_slice(name)[sl], g.get_slice(name)[sl]
+    assert isinstance(x, np.ndarray) and x.shape == y.shape == arrays[name][sl].shape, (x.shape, y.shape)
+    assert x.dtype == y.dtype and np.array_equal(x, y) and x.flags.c_contiguous
+
+
+def test_zero_d_results_in_torch(torch_model):
+    torch = torch_or_skip()
+    from safetensors import safe_open as st_open
+
+    path, _ = torch_model
+    with safe_open(path, framework="pt") as f, st_open(path, framework="pt") as g:
+        name = next(k for k in g.keys() if len(g.get_slice(k).get_shape()) == 2 and g.get_slice(k).get_dtype() == "F32")
+        for sl in (np.s_[0, 0], np.s_[::2], np.s_[1::3, 0]):
+            x, y = f.get_slice(name)[sl], g.get_slice(name)[sl]
+            # Bytes, not values: random bits hold NaNs.
+            assert x.shape == y.shape and x.numpy().tobytes() == y.numpy().tobytes(), (name, sl, x.shape, y.shape)
 
 
 def test_a_column_slice_reads_its_columns_not_the_tensor(tmp_path):

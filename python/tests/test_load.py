@@ -83,6 +83,25 @@ def test_shard_reads_each_ranks_part_alone(sharded):
         weightstream.load(d, framework="np", shard={"*.norm.weight": (0, 0, 200)}, names=["norm"])
 
 
+def test_names_with_shard_when_every_named_tensor_is_sliced(sharded):
+    """Every tensor the names keep is sliced by the rule: the load reads
+    the slices alone. Before: "no tensor selected" (the check for whole
+    tensors left ignored the names)."""
+    d, want = sharded
+    report = {}
+    got = weightstream.load(d, framework="np", names="q.weight", shard={"*.q.weight": (0, 1, 2)}, report=report)
+    assert sorted(got) == sorted(k for k in want if "q.weight" in k)
+    assert report["slices"] == 6 and report["slice_bytes_wanted"] == 6 * 128 * 96 * 4, report
+    assert report["slice_bytes_wanted"] <= report["slice_bytes_read"] <= report["slice_bytes_wanted"] + 6 * 2 * 4096, report
+    for k, a in got.items():
+        assert np.array_equal(a, want[k][128:]), k
+    # Names keeping sliced and whole tensors: both.
+    got = weightstream.load(d, framework="np", names=["layers.0."], shard={"*.q.weight": (1, 0, 2)})
+    assert sorted(got) == sorted(k for k in want if "layers.0." in k)
+    assert np.array_equal(got["model.layers.0.q.weight"], want["model.layers.0.q.weight"][:, :48])
+    assert np.array_equal(got["model.layers.0.k.weight"], want["model.layers.0.k.weight"])
+
+
 def test_split_and_mirror(sharded, tmp_path):
     d, want = sharded
     a, b, m = tmp_path / "a", tmp_path / "b", tmp_path / "m"
@@ -227,8 +246,9 @@ def test_stats_and_close(sharded):
     s = f.stats()
     assert s["bytes"] >= 256 * 96 * 4 and s["drives"] and "fallbacks" in s["drives"][0]
     assert f.close() is True
-    with pytest.raises(ValueError, match="closed"):
-        f.get_tensor("model.layers.0.q.weight")
+    for call in (lambda: f.get_tensor("model.layers.0.q.weight"), f.keys, f.metadata, f.stats, lambda: f.get_slice("x")):
+        with pytest.raises(weightstream.SafetensorError, match="closed"):
+            call()
 
 
 def test_stream_yields_every_tensor_in_order_each_owned(sharded):
@@ -257,6 +277,14 @@ def test_read_into_arrays_buffers_and_tensors(sharded):
         mv = memoryview(bytearray(8))
         e.read_into(name, mv, start=1, end=9)
         assert mv.tobytes() == w.tobytes()[1:9]
+        # Empty ranges read nothing (before: ValueError).
+        for kw in ({"rows": (7, 7)}, {"rows": (256, 256)}, {"start": 100, "end": 100}, {"start": 0, "end": 0}):
+            empty = np.empty((0, 96), np.float32) if "rows" in kw else bytearray()
+            assert e.read_into(name, empty, **kw) is empty
+        with pytest.raises(ValueError, match="rows"):
+            e.read_into(name, np.empty((0, 96), np.float32), rows=(257, 257))
+        with pytest.raises(ValueError):
+            e.read_into(name, bytearray(), start=w.nbytes + 1, end=w.nbytes + 1)
         for bad, what in [
             (np.empty((256, 95), np.float32), "bytes"),
             (np.empty((256, 96), np.float64), "float64"),

@@ -19,10 +19,12 @@ __all__ = ["safe_open", "load", "stream", "shard_bounds", "Engine", "SafetensorE
 
 class _Slice:
     """A tensor not yet read: ``get_shape()``, ``get_dtype()``, and indexing
-    (``[a:b]``, ``[:, a:b]``, ``[i]``, ``...``, steps past the first
+    (``[a:b]``, ``[:, a:b]``, ``[i]``, ``...``, positive steps in any
     dimension) that reads from the drives only the block the index covers:
     rows as one read, columns and other blocks row part by row part (see
-    ``TensorSlice`` in the Rust crate), never the whole tensor."""
+    ``TensorSlice`` in the Rust crate), never the whole tensor. A step
+    keeps every n-th index of the block from its first to its last kept
+    one; the block is read, and the step applied in memory."""
 
     def __init__(self, reader, name, framework):
         self._reader = reader
@@ -62,10 +64,9 @@ class _Slice:
             n = shape[d]
             if isinstance(ix, slice):
                 start, stop, step = ix.indices(n)
-                if step < 1 or (d == 0 and step != 1):
-                    # safetensors reads contiguous rows only; so does this.
+                if step < 1:
                     raise SafetensorError(
-                        f"tensor {self._name}: a step ({step}) in dimension {d} is not supported"
+                        f"tensor {self._name}: a step ({step}) in dimension {d} is not supported (steps must be positive)"
                     )
                 stop = max(stop, start)
                 if step > 1 and stop > start:
@@ -102,7 +103,10 @@ class _Slice:
         if self._framework in ("np", "numpy"):
             import numpy as np
 
-            return np.ascontiguousarray(out)
+            # An all-int index gives a numpy scalar: a 0-d array, as
+            # safetensors returns (np.ascontiguousarray would make it 1-d).
+            out = np.asarray(out)
+            return out if out.flags.c_contiguous else out.copy(order="C")
         return out.contiguous()
 
 
@@ -187,7 +191,7 @@ def _names(names):
     return list(names) if names else None
 
 
-def load(path, framework="pt", *, dirs=None, mirrors=None, route=None, direct=None, names=None, shard=None):
+def load(path, framework="pt", *, dirs=None, mirrors=None, route=None, direct=None, names=None, shard=None, report=None):
     """Every tensor of a model (a directory, its ``model.safetensors.index.json``,
     or one ``.safetensors`` file) as ``{name: tensor}``, read O_DIRECT by
     every drive at once into one mapping that the tensors keep alive.
@@ -199,12 +203,16 @@ def load(path, framework="pt", *, dirs=None, mirrors=None, route=None, direct=No
     ``(name, shape) -> (dim, rank, world_size) or None``. A rank's part of
     a dimension of size n is ``[n * rank // world_size, n * (rank + 1) //
     world_size)``; tensors no rule names are read whole.
+    ``report``: a dict, filled with ``tensors``, ``bytes``, ``seconds``,
+    ``gbps``, ``slices``, and what the slices cost: ``slice_bytes_wanted``
+    and ``slice_bytes_read`` (whole blocks: a narrow column of a wide
+    tensor reads a block per row).
     Ctrl-C raises ``KeyboardInterrupt`` within 50 ms."""
     path, names = _model_path(path), _names(names)
     parts = None
     if shard is not None:
         parts = _shard_parts(path, shard, names, dirs, mirrors)
-    tensors, _report = _native.load(
+    tensors, report_json = _native.load(
         path,
         dirs=_paths(dirs),
         mirrors=_paths(mirrors),
@@ -213,6 +221,8 @@ def load(path, framework="pt", *, dirs=None, mirrors=None, route=None, direct=No
         names=names,
         parts=parts,
     )
+    if report is not None:
+        report.update(_json.loads(report_json))
     conv = _convert(framework)
     return {name: conv(payload, dtype, shape) for name, dtype, shape, payload in tensors}
 

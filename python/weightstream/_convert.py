@@ -43,6 +43,8 @@ TORCH = {
     "F8_E5M2FNUZ": "float8_e5m2fnuz",
     "F8_E8M0": "float8_e8m0fnu",
     "C64": "complex64",
+    # Two 4-bit elements per byte: a header's [..., n] is torch's [..., n / 2].
+    "F4": "float4_e2m1fn_x2",
 }
 
 
@@ -54,6 +56,22 @@ def torch_dtype(dtype):
     if t is None:
         raise TypeError(f"dtype {dtype} has no torch type in this torch ({torch.__version__})")
     return t
+
+
+def torch_shape(dtype, shape, name=None):
+    """The torch shape of a tensor of ``dtype`` whose header says ``shape``:
+    the same, but for F4, whose torch type packs two elements per byte (the
+    last dimension halves, as safetensors' writer doubles it)."""
+    shape = list(shape)
+    if dtype == "F4":
+        if not shape or shape[-1] % 2:
+            what = f"tensor {name}" if name else "a tensor"
+            raise TypeError(
+                f"{what}: F4 of shape {shape}: torch's float4_e2m1fn_x2 packs two elements per byte, so the last "
+                "dimension must be even"
+            )
+        shape[-1] //= 2
+    return shape
 
 
 def numpy_dtype(dtype):
@@ -69,6 +87,7 @@ def to_torch(payload, dtype, shape):
     import torch
 
     t_dtype = torch_dtype(dtype)
+    shape = torch_shape(dtype, shape)
     if payload.nbytes == 0:
         return torch.empty(shape, dtype=t_dtype)
     raw = torch.from_dlpack(payload)

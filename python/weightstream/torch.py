@@ -4,6 +4,7 @@ the ranks of a ``torch.distributed`` process group (``load_distributed``)."""
 from . import _native, _paths, _model_path, _names, _shard_rule, shard_bounds
 from . import load as _load
 from ._convert import torch_dtype as _torch_dtype
+from ._convert import torch_shape as _torch_shape
 
 
 def load_file(filename, device="cpu"):
@@ -121,6 +122,17 @@ def load_distributed(
         if names:
             order = [n for n in order if any(p in n for p in names)]
         mine = _needs(order, info, shard)
+        # Every tensor this rank will hold must have a torch type here: a
+        # dtype the installed torch lacks (F6, F4 before torch 2.8) is said
+        # now, by every rank, never raised by a receiver mid-exchange.
+        for n, bounds in mine.items():
+            dtype, shape = info[n][0], info[n][1]
+            block = shape if bounds is None else [b - a for a, b in bounds] + shape[len(bounds) :]
+            try:
+                _torch_dtype(dtype)
+                _torch_shape(dtype, block, n)
+            except TypeError as e:
+                raise TypeError(f"tensor {n} in {info[n][3]}: {e}") from None
         mine[_NODE] = _node_key()
     except Exception as e:  # noqa: BLE001 - raised on every rank below
         mine = {_ERROR: f"rank {rank}: {e}"}
@@ -208,7 +220,7 @@ def load_distributed(
             if t is not None:
                 out[n] = t
         elif nbytes == 0:
-            out[n] = torch.empty(block, dtype=_torch_dtype(dtype))
+            out[n] = torch.empty(_torch_shape(dtype, block, n), dtype=_torch_dtype(dtype))
         else:
             t = _receive(reader, ranks, world, group, dist, torch, wire, status, dtype, block, nbytes)
             if t is None:
@@ -354,19 +366,21 @@ def _needs(order, info, shard):
 
 
 def _block_bytes(entry, key):
+    """Bytes of the block ``key`` keeps of a tensor (its elements times the
+    tensor's bytes per element, exact for sub-byte dtypes too: a slice's
+    runs are whole bytes, or the slice was refused)."""
     dtype, shape, nbytes, _, _ = entry
     if key is None:
         return nbytes
     elems = 1
     for n in shape:
         elems *= n
-    per = nbytes // elems if elems else 0
     b = 1
     for (a, z), n in zip(key, shape):
         b *= z - a
     for n in shape[len(key) :]:
         b *= n
-    return b * per
+    return b * nbytes // elems if elems else 0
 
 
 def _pump(stream):
@@ -433,4 +447,4 @@ def _receive(reader, ranks, world, group, dist, torch, wire, status, dtype, bloc
         dist.broadcast(raw, src=src, group=group)
     else:
         dist.recv(raw, src=src, group=group)
-    return raw.view(_torch_dtype(dtype)).reshape(block)
+    return raw.view(_torch_dtype(dtype)).reshape(_torch_shape(dtype, block))
