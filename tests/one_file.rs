@@ -84,8 +84,49 @@ fn a_file_opened_alone_uses_its_mirror_copy_and_a_missing_one_is_named() {
     let err = Model::open(ModelConfig::file(dir.join("model-00009-of-00009.safetensors"))).unwrap_err();
     let msg = err.to_string();
     assert!(msg.contains("model-00009-of-00009.safetensors"), "{msg}");
-    assert!(msg.contains("no such"), "{msg}");
+    assert!(msg.contains("No such file"), "{msg}");
+    assert!(matches!(err, weightstream::Error::Io { ref source, .. } if source.kind() == std::io::ErrorKind::NotFound));
     // Several files at once: only those.
     let two = Model::open(ModelConfig::new(&dir).only([names[0].clone(), names[2].clone()])).unwrap();
     assert_eq!(two.catalog().shards().len(), 2);
+}
+
+/// A file is what it is, whatever its name: one without the `.safetensors`
+/// suffix (a `NamedTemporaryFile`) opens on its own, in a folder holding
+/// no shard; its folder's other entries are never looked at (a dangling
+/// `*.safetensors` link beside it changes nothing). A name that is not a
+/// regular file is refused naming it.
+#[test]
+fn a_file_opens_by_what_it_is_not_by_its_suffix() {
+    let tmp = common::tempdir();
+    let dir = tmp.path().join("m");
+    common::synth_model(&dir, &common::small_synth_spec());
+    let first = shards(&dir).remove(0);
+    let plain = tmp.path().join("loose");
+    std::fs::create_dir(&plain).unwrap();
+    let odd = plain.join("tmpk3x9_q");
+    std::fs::copy(dir.join(&first), &odd).unwrap();
+    std::os::unix::fs::symlink(plain.join("gone"), plain.join("dangling.safetensors")).unwrap();
+    let a = Model::open(ModelConfig::file(&odd)).unwrap();
+    let b = Model::open(ModelConfig::file(dir.join(&first))).unwrap();
+    let names = |m: &Model| {
+        m.catalog()
+            .tensors()
+            .iter()
+            .map(|t| (t.name.clone(), t.len))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(names(&a), names(&b));
+    assert_eq!(a.catalog().shards()[0].path, odd);
+    // A folder given as a file, and a FIFO, are refused naming them.
+    let sub = plain.join("sub.safetensors");
+    std::fs::create_dir(&sub).unwrap();
+    let e = Model::open(ModelConfig::file(&sub)).unwrap_err().to_string();
+    assert!(e.contains("sub.safetensors") && e.contains("not a regular file"), "{e}");
+    let fifo = plain.join("pipe");
+    let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: a NUL-terminated path; mkfifo only creates the node.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let e = Model::open(ModelConfig::file(&fifo)).unwrap_err().to_string();
+    assert!(e.contains("pipe") && e.contains("not a regular file"), "{e}");
 }

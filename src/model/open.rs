@@ -70,10 +70,11 @@ impl Model {
             ));
         }
         let roots = roots::validate_roots(&config)?;
-        let mut found = search_path(&roots, &config.primary, placed.as_ref())?;
-        if !config.only.is_empty() {
-            found = only(found, &config.only, &config.primary)?;
-        }
+        let found = if config.only.is_empty() {
+            search_path(&roots, &config.primary, placed.as_ref())?
+        } else {
+            named(&roots, &config.primary, &config.only)?
+        };
         let mirrors: Vec<&Root> = roots.iter().filter(|r| r.role == RootRole::Mirror).collect();
         if mirrors.len() + 1 > MAX_COPY_RANKS {
             return Err(Error::Config(format!(
@@ -170,16 +171,43 @@ fn search_path(roots: &[Root], primary: &Path, placed: Option<&Placed>) -> Resul
     Ok(found)
 }
 
-/// The shards of `found` named in `only`; a name not found is an error
-/// naming it (and where it was looked for).
-fn only(found: Vec<Found>, only: &[std::ffi::OsString], primary: &Path) -> Result<Vec<Found>> {
-    if let Some(missing) = only.iter().find(|n| !found.iter().any(|f| &f.name == *n)) {
-        return Err(Error::catalog(
-            primary.join(missing),
-            "no such *.safetensors shard in this directory (or its split directories)",
-        ));
+/// The files `only` names, each looked up by name along the search path
+/// (the primary, then the split directories: the first holding it wins),
+/// sorted by name. Nothing is listed, so a file is what it is, whatever
+/// its name (a `NamedTemporaryFile` has no `.safetensors` suffix), and
+/// nothing else in its directory is looked at. A name found nowhere, or
+/// not a regular file, is an error naming it.
+fn named(roots: &[Root], primary: &Path, only: &[std::ffi::OsString]) -> Result<Vec<Found>> {
+    let mut found = Vec::with_capacity(only.len());
+    for name in only {
+        if found.iter().any(|f: &Found| &f.name == name) {
+            continue;
+        }
+        let hit = roots
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.role != RootRole::Mirror)
+            .find_map(|(ri, r)| {
+                let listed = r.given.join(name);
+                std::fs::symlink_metadata(&listed).ok().map(|m| (ri, listed, m))
+            });
+        let Some((root, listed, meta)) = hit else {
+            return Err(Error::io(
+                primary.join(name),
+                "open",
+                std::io::Error::from_raw_os_error(libc::ENOENT),
+            ));
+        };
+        let path = crate::storage::open::resolve_shard(&listed, meta.file_type().is_symlink(), "a model file")?;
+        found.push(Found {
+            name: name.clone(),
+            listed,
+            path,
+            root,
+        });
     }
-    Ok(found.into_iter().filter(|f| only.contains(&f.name)).collect())
+    found.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(found)
 }
 
 /// Copies a model may open: every shard found, plus each mirror entry present.

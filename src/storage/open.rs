@@ -133,33 +133,41 @@ pub(crate) fn list_shards(dir: &Path) -> Result<Vec<ListedShard>> {
         }
         let listed = entry.path();
         let ft = entry.file_type().map_err(|e| Error::io(&listed, "stat", e))?;
-        let path = if ft.is_symlink() {
-            std::fs::canonicalize(&listed).map_err(|e| {
-                Error::catalog(
-                    &listed,
-                    format!("is a link that cannot be resolved ({e}): a *.safetensors entry must name a shard file"),
-                )
-            })?
-        } else {
-            listed.clone()
-        };
-        let st = rustix::fs::stat(&path).map_err(|e| Error::io(&path, "stat", e))?;
-        let ft = FileType::from_raw_mode(st.st_mode);
-        if ft != FileType::RegularFile {
-            let what = if path == listed {
-                format!("is {}", kind_of(ft))
-            } else {
-                format!("links to {}, which is {}", escape(&path), kind_of(ft))
-            };
-            return Err(Error::catalog(
-                &listed,
-                format!("{what}, not a regular file: a *.safetensors entry must be a shard file (move or rename it)"),
-            ));
-        }
+        let path = resolve_shard(&listed, ft.is_symlink(), "a *.safetensors entry")?;
         out.push((name, listed, path));
     }
     out.sort();
     Ok(out)
+}
+
+/// The shard file `listed` names (a link resolved once, as Hugging Face
+/// caches keep shards): it must be a regular file, whatever its name; an
+/// error naming it otherwise (`what`: how the path came, for the message).
+pub(crate) fn resolve_shard(listed: &Path, is_link: bool, what: &str) -> Result<PathBuf> {
+    let path = if is_link {
+        std::fs::canonicalize(listed).map_err(|e| {
+            Error::catalog(
+                listed,
+                format!("is a link that cannot be resolved ({e}): {what} must name a shard file"),
+            )
+        })?
+    } else {
+        listed.to_path_buf()
+    };
+    let st = rustix::fs::stat(&path).map_err(|e| Error::io(&path, "stat", e))?;
+    let ft = FileType::from_raw_mode(st.st_mode);
+    if ft != FileType::RegularFile {
+        let is = if path == listed {
+            format!("is {}", kind_of(ft))
+        } else {
+            format!("links to {}, which is {}", escape(&path), kind_of(ft))
+        };
+        return Err(Error::catalog(
+            listed,
+            format!("{is}, not a regular file: {what} must be a shard file (move or rename it)"),
+        ));
+    }
+    Ok(path)
 }
 
 /// Opens a file for O_DIRECT reads as weightstream opens shards: read-only,
