@@ -36,6 +36,33 @@ create_exception!(
     "A file refused (its header, its index, a missing tensor): as safetensors' own SafetensorError."
 );
 
+/// The class raised as `SafetensorError`: the package's
+/// (`weightstream.SafetensorError`, which is safetensors' own class when
+/// safetensors is installed, so that code catching safetensors' errors
+/// catches these), set once at import; this module's own until then.
+static ERROR_TYPE: pyo3::sync::PyOnceLock<Py<pyo3::types::PyType>> = pyo3::sync::PyOnceLock::new();
+
+/// A `SafetensorError` (see [`ERROR_TYPE`]) with `msg`.
+fn safetensor_error(msg: impl Into<String>) -> PyErr {
+    let msg: String = msg.into();
+    Python::attach(|py| match ERROR_TYPE.get(py) {
+        Some(t) => PyErr::from_type(t.bind(py).clone(), msg),
+        None => SafetensorError::new_err(msg),
+    })
+}
+
+/// Sets the class raised as `SafetensorError` (the package does, at
+/// import); a second call is refused.
+#[pyfunction]
+fn _set_error_type(py: Python<'_>, cls: Bound<'_, pyo3::types::PyType>) -> PyResult<()> {
+    if !cls.is_subclass_of::<PyException>()? {
+        return Err(PyValueError::new_err("the error type must be an Exception subclass"));
+    }
+    ERROR_TYPE
+        .set(py, cls.unbind())
+        .map_err(|_| PyValueError::new_err("the error type is already set"))
+}
+
 /// A library error as the Python exception a safetensors caller expects:
 /// a missing file is `FileNotFoundError`, another I/O error `OSError`, a
 /// refused header, index or missing tensor `SafetensorError`, a bad setting
@@ -46,11 +73,9 @@ fn to_py(e: ws::Error) -> PyErr {
             PyFileNotFoundError::new_err(e.to_string())
         }
         ws::Error::Io { .. } => PyOSError::new_err(e.to_string()),
-        ws::Error::NoSuchTensor { name, .. } => {
-            SafetensorError::new_err(format!("File does not contain tensor {name} ({e})"))
-        }
+        ws::Error::NoSuchTensor { name, .. } => safetensor_error(format!("File does not contain tensor {name} ({e})")),
         ws::Error::Config(_) => PyValueError::new_err(e.to_string()),
-        _ => SafetensorError::new_err(e.to_string()),
+        _ => safetensor_error(e.to_string()),
     }
 }
 
@@ -375,7 +400,7 @@ impl Reader {
         if here == self.pid {
             return Ok(());
         }
-        Err(SafetensorError::new_err(format!(
+        Err(safetensor_error(format!(
             "{}: opened in process {}, used in its forked child {here}: the tensors it returned are readable here, \
              the reader is not (open the file again in this process)",
             self.path, self.pid
@@ -383,8 +408,8 @@ impl Reader {
     }
 
     fn closed(&self) -> PyErr {
-        SafetensorError::new_err(format!(
-            "{}: the file is closed (safe_open's with block has ended)",
+        safetensor_error(format!(
+            "File is closed: {} (safe_open's with block has ended)",
             self.path
         ))
     }
@@ -1127,6 +1152,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Stream>()?;
     m.add_function(wrap_pyfunction!(load, m)?)?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
+    m.add_function(wrap_pyfunction!(_set_error_type, m)?)?;
     m.add("SafetensorError", m.py().get_type::<SafetensorError>())?;
     Ok(())
 }

@@ -10,26 +10,145 @@ import json as _json
 import operator as _operator
 
 from . import _native
+from . import _index
 from ._convert import convert as _convert
-from ._native import SafetensorError
+
+try:
+    # The same class as safetensors' own, where safetensors is installed:
+    # code written to catch safetensors' errors catches these, and the
+    # other way round.
+    from safetensors import SafetensorError
+except ImportError:  # pragma: no cover - safetensors is not a dependency
+
+    class SafetensorError(Exception):
+        """A file refused (its header, its index, a missing tensor), an
+        index refused, a closed file: as safetensors' own SafetensorError."""
+
+
+_native._set_error_type(SafetensorError)
 
 __version__ = _native.version()
 __all__ = ["safe_open", "load", "stream", "shard_bounds", "Engine", "SafetensorError", "__version__"]
 
+# safetensors' framework names, and the ones weightstream reads into.
+_FRAMEWORKS = {
+    "pt": "pytorch",
+    "torch": "pytorch",
+    "pytorch": "pytorch",
+    "np": "numpy",
+    "numpy": "numpy",
+    "tf": "tensorflow",
+    "tensorflow": "tensorflow",
+    "jax": "flax",
+    "flax": "flax",
+    "mlx": "mlx",
+    "paddle": "paddle",
+}
+_DEVICE_KINDS = ("cuda", "musa", "mps", "npu", "xpu", "xla", "mlu", "hpu")
+_BACKENDS = ("mmap", "pread")
+
+
+def _framework(framework):
+    """safetensors' framework names: 'pytorch' or 'numpy' (the ones read
+    here), SafetensorError for a name safetensors does not know."""
+    fw = _FRAMEWORKS.get(framework) if isinstance(framework, str) else None
+    if fw is None:
+        raise SafetensorError(f"framework {framework} is invalid")
+    if fw not in ("pytorch", "numpy"):
+        raise ValueError(f"framework {framework!r}: weightstream reads into 'pt' (torch) or 'np' (numpy)")
+    return fw
+
+
+def _device(device, fw):
+    """safetensors' device grammar: "cpu", an accelerator ("cuda", "cuda:1",
+    "mps", "npu:0", ...) or an index (torch's default accelerator), as
+    safetensors parses it; SafetensorError for anything else, and for a
+    device other than the CPU with numpy. Returns what torch's ``to`` takes
+    (None for the CPU)."""
+    if hasattr(device, "type") and hasattr(device, "index"):  # a torch.device
+        device = str(device)
+    if isinstance(device, int) and not isinstance(device, bool):
+        if device < 0:
+            raise SafetensorError(f"device {device} is invalid")
+        parsed, shown = device, str(device)
+    elif isinstance(device, str):
+        kind, sep, idx = device.partition(":")
+        if device == "cpu":
+            return None
+        if device in _DEVICE_KINDS:
+            parsed = shown = "mps" if device == "mps" else f"{device}:0"
+        elif kind in _DEVICE_KINDS and sep:
+            if ":" in idx:
+                raise SafetensorError(f"device {device} is invalid")
+            n = _device_index(idx)
+            if kind == "mps":
+                if n != 0:
+                    raise SafetensorError(f"device {device} is invalid: only mps or mps:0 is supported")
+                parsed = shown = "mps"
+            else:
+                parsed = shown = f"{kind}:{n}"
+        else:
+            raise SafetensorError(f"device {device} is invalid")
+    else:
+        raise SafetensorError(f"device {device!r} is invalid")
+    if fw != "pytorch":
+        raise SafetensorError(f"Device {shown} is not supported for framework {fw}")
+    return parsed
+
+
+def _device_index(text):
+    """A device index as safetensors parses one (Rust's usize): ValueError
+    with its messages."""
+    digits = text[1:] if text.startswith("+") else text
+    if not text:
+        raise ValueError("cannot parse integer from empty string")
+    if not digits or not digits.isascii() or not digits.isdigit():
+        raise ValueError("invalid digit found in string")
+    n = int(digits)
+    if n >= 1 << 64:
+        raise ValueError("number too large to fit in target type")
+    return n
+
+
+def _backend(backend):
+    """safetensors' backend names. weightstream reads every tensor its own
+    way (O_DIRECT into memory the tensor owns) whichever is named: both
+    are accepted, anything else is refused as safetensors refuses it."""
+    if backend not in _BACKENDS:
+        shown = _json.dumps(backend) if isinstance(backend, str) else repr(backend)
+        raise SafetensorError(f'backend {shown} is invalid (expected one of: "mmap", "pread")')
+
+
+def _on(t, device):
+    """A torch tensor moved to `device` (None: stays on the CPU)."""
+    return t if device is None else t.to(device)
+
 
 class _Slice:
     """A tensor not yet read: ``get_shape()``, ``get_dtype()``, and indexing
-    (``[a:b]``, ``[:, a:b]``, ``[i]``, ``...``, positive steps in any
-    dimension) that reads from the drives only the block the index covers:
-    rows as one read, columns and other blocks row part by row part (see
-    ``TensorSlice`` in the Rust crate), never the whole tensor. A step
-    keeps every n-th index of the block from its first to its last kept
-    one; the block is read, and the step applied in memory."""
+    that reads from the drives only the block the index covers: rows as one
+    read, columns and other blocks row part by row part (see
+    ``TensorSlice`` in the Rust crate), never the whole tensor; a step is
+    applied in memory to the block from the first kept index to the last.
 
-    def __init__(self, reader, name, framework):
+    Indexing follows safetensors 0.8, which has two grammars:
+    - ``framework="pt"``: torch's own indexing, as safetensors indexes the
+      tensor it maps (negative indices, clamped slices, ``None``, bools,
+      lists and tensors of indices; torch's errors). Ints, slices and
+      ``...`` read the block; any other index reads the whole tensor and
+      lets torch index it.
+    - ``framework="np"``: safetensors' slice grammar (``_index``): ints,
+      slices with positive steps, ``...``, an empty list, a tuple of those;
+      a refused index raises SafetensorError with safetensors' message.
+      Negative slice bounds count from the end (safetensors raises
+      OverflowError for them).
+    """
+
+    def __init__(self, reader, name, framework, device=None):
         self._reader = reader
         self._name = name
         self._framework = framework
+        self._device = device
         self._dtype, self._shape, self._nbytes, _ = reader.info(name)
 
     def get_shape(self):
@@ -39,58 +158,55 @@ class _Slice:
         return self._dtype
 
     def __getitem__(self, index):
-        if not isinstance(index, tuple):
-            index = (index,)
+        if self._framework in ("np", "numpy"):
+            return self._numpy_item(index)
+        return _on(self._torch_item(index), self._device)
+
+    def _numpy_item(self, index):
+        import numpy as np
+
+        from ._convert import dtype_bits
+
         shape = list(self._shape)
-        if not shape:
-            if index not in ((), (Ellipsis,)):
-                raise SafetensorError(f"tensor {self._name}: a scalar has no dimension to index")
-            return self._finish(self._read_block([], shape), ())
-        if index.count(Ellipsis) > 1:
-            raise SafetensorError(f"tensor {self._name}: an index can only have a single ellipsis ('...')")
-        if Ellipsis in index:
-            k = index.index(Ellipsis)
-            fill = max(len(shape) - (len(index) - 1), 0)
-            index = index[:k] + (slice(None),) * fill + index[k + 1 :]
-        if len(index) > len(shape):
-            raise SafetensorError(
-                f"tensor {self._name}: {len(index)} indices for a tensor of {len(shape)} dimensions"
-            )
-        # The block to read (a range per indexed dimension, step 1), then
-        # what is left to apply in memory: steps, and ints dropping a
-        # dimension.
-        bounds, rest = [], []
-        for d, ix in enumerate(index):
-            n = shape[d]
-            if isinstance(ix, slice):
-                start, stop, step = ix.indices(n)
-                if step < 1:
-                    raise SafetensorError(
-                        f"tensor {self._name}: a step ({step}) in dimension {d} is not supported (steps must be positive)"
-                    )
-                stop = max(stop, start)
-                if step > 1 and stop > start:
-                    # The block ends at the last element the step keeps.
-                    stop = start + (stop - 1 - start) // step * step + 1
-                bounds.append((start, stop))
-                rest.append(slice(None, None, step))
-            else:
-                try:
-                    i = _operator.index(ix)
-                except TypeError:
-                    raise SafetensorError(
-                        f"tensor {self._name}: index {ix!r} in dimension {d} is not an int, a slice or '...'"
-                    ) from None
-                if i < -n or i >= n:
-                    raise SafetensorError(f"tensor {self._name}: index {i} is out of range for dimension {d} of size {n}")
-                i %= n
-                bounds.append((i, i + 1))
-                rest.append(0)
+        indexers = _index.parse(index, shape, SafetensorError)
+        bounds, rest, newshape = _index.resolve(indexers, shape, dtype_bits(self._dtype), SafetensorError)
+        if bounds is None or any(n == 0 for n in newshape):
+            return self._read_block(None, newshape)
         block = [b - a for a, b in bounds] + shape[len(bounds) :]
-        return self._finish(self._read_block(bounds, block), tuple(rest))
+        part = self._read_block(bounds, block)
+        # An all-int index gives a numpy scalar: a 0-d array, as
+        # safetensors returns (np.ascontiguousarray would make it 1-d).
+        out = np.asarray(part[rest] if rest else part)
+        return out if out.flags.c_contiguous else out.copy(order="C")
+
+    def _torch_item(self, index):
+        import math
+
+        import torch
+
+        from ._convert import index_torch, torch_dtype, torch_shape
+
+        dtype = torch_dtype(self._dtype)
+        tshape = torch_shape(self._dtype, self._shape, self._name)
+        plan = _index.basic(index, tshape)
+        if plan is not None or not _holds_tensors(index):
+            # torch's own checks and result shape, on a tensor of no bytes.
+            out_shape = tuple(torch.empty(tshape, dtype=torch.uint8, device="meta")[index].shape)
+            if math.prod(out_shape) == 0:
+                return torch.empty(out_shape, dtype=dtype)
+        if plan is None:
+            whole = self._read_block([(0, n) for n in self._shape], list(self._shape))
+            return index_torch(whole, index)
+        bounds, rest = plan
+        if self._dtype == "F4" and len(bounds) == len(tshape):
+            # torch's last dimension holds two elements a byte.
+            a, b = bounds[-1]
+            bounds = bounds[:-1] + [(2 * a, 2 * b)]
+        block = [b - a for a, b in bounds] + list(self._shape[len(bounds) :])
+        return index_torch(self._read_block(bounds, block), rest)
 
     def _read_block(self, bounds, block):
-        if any(n == 0 for n in block):
+        if bounds is None or any(n == 0 for n in block):
             payload = self._reader.read(self._name, 0, 0)
         elif all(b == (0, n) for b, n in zip(bounds, self._shape)):
             payload = self._reader.read(self._name)
@@ -98,36 +214,39 @@ class _Slice:
             payload = self._reader.read_slice(self._name, bounds)
         return _convert(self._framework)(payload, self._dtype, block)
 
-    def _finish(self, part, rest):
-        out = part[rest] if rest else part
-        if self._framework in ("np", "numpy"):
-            import numpy as np
 
-            # An all-int index gives a numpy scalar: a 0-d array, as
-            # safetensors returns (np.ascontiguousarray would make it 1-d).
-            out = np.asarray(out)
-            return out if out.flags.c_contiguous else out.copy(order="C")
-        return out.contiguous()
+def _holds_tensors(index):
+    """Whether `index` holds lists, arrays or tensors of indices (advanced
+    indexing: torch indexes the whole tensor itself, with no dry run on a
+    meta tensor, where masks have no shape)."""
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(it, list) or (hasattr(it, "shape") and getattr(it, "ndim", 0) != 0) for it in items)
 
 
 class safe_open:
     """``safetensors.safe_open``: ``with safe_open(path, framework="pt") as f:``
-    then ``f.keys()``, ``f.metadata()``, ``f.get_tensor(name)``,
-    ``f.get_slice(name)``. ``path`` may also be a model directory (its index,
-    every shard), with ``dirs`` (split directories) and ``mirrors``.
+    then ``f.keys()``, ``f.offset_keys()``, ``f.metadata()``,
+    ``f.get_tensor(name)``, ``f.get_tensors()``, ``f.get_slice(name)``. The
+    arguments as safetensors' (``device``, ``backend``), and ``path`` may
+    also be a model directory (its index, every shard), with ``dirs``
+    (split directories) and ``mirrors``.
 
-    Stricter than safetensors: only ``device="cpu"``; frameworks 'pt' and
-    'np'. Each ``get_tensor`` reads the payload O_DIRECT into memory of its
-    own, which the returned tensor keeps alive.
+    ``framework``: "pt" (torch) or "np" (numpy), under any of safetensors'
+    names for them. ``device``: safetensors' devices; a tensor for another
+    device than the CPU is read into CPU memory, then moved there.
+    ``backend``: "mmap" or "pread", accepted and read the same fast way
+    (O_DIRECT into memory the tensor owns); anything else is refused.
+    Each ``get_tensor`` reads the payload into memory of its own, which the
+    returned tensor keeps alive.
     """
 
-    def __init__(self, filename, framework="pt", device="cpu", *, dirs=None, mirrors=None, route=None, direct=None):
-        if str(device) != "cpu":
-            raise ValueError(f"device {device!r}: weightstream reads into CPU memory (device='cpu')")
+    def __init__(self, filename, framework="pt", device="cpu", *, backend="mmap", dirs=None, mirrors=None, route=None, direct=None):
+        fw = _framework(framework)
+        self._device = _device(device, fw)
+        _backend(backend)
         self._framework = framework
-        _convert(framework)  # an unknown framework is refused now
         self._reader = _native.Reader(
-            str(filename),
+            _fspath(filename),
             dirs=_paths(dirs),
             mirrors=_paths(mirrors),
             route=route,
@@ -146,24 +265,40 @@ class safe_open:
         return self._reader.close(timeout)
 
     def keys(self):
+        """Every tensor name, sorted."""
         return self._reader.keys()
 
     def offset_keys(self):
-        return sorted(self._reader.keys(), key=lambda k: self._reader.info(k)[3])
+        """Every tensor name, in the order of their bytes in the file."""
+        keys = self._reader.keys()
+        return sorted(keys, key=lambda k: self._reader.info(k)[3])
 
     def metadata(self):
         return self._reader.metadata()
 
     def get_tensor(self, name):
         dtype, shape, _, _ = self._reader.info(name)
-        return _convert(self._framework)(self._reader.read(name), dtype, shape)
+        t = _convert(self._framework)(self._reader.read(name), dtype, shape)
+        return t if self._device is None else _on(t, self._device)
+
+    def get_tensors(self):
+        """Every tensor, ``{name: tensor}`` in name order."""
+        return {k: self.get_tensor(k) for k in self.keys()}
 
     def get_slice(self, name):
-        return _Slice(self._reader, name, self._framework)
+        return _Slice(self._reader, name, self._framework, self._device)
 
     def stats(self):
         """The engine's counters (per drive, fallbacks by cause, warnings)."""
         return _json.loads(self._reader.stats_json())
+
+
+def _fspath(filename):
+    """A path as text (str, bytes or os.PathLike, as safetensors takes)."""
+    import os
+
+    p = os.fspath(filename)
+    return os.fsdecode(p) if isinstance(p, bytes) else p
 
 
 def _paths(v):

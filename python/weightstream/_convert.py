@@ -20,7 +20,30 @@ NUMPY = {
     "F16": "float16",
     "F32": "float32",
     "F64": "float64",
+    "C64": "complex64",
 }
+
+# Bits of an element of each safetensors dtype (sub-byte ones included).
+BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8,
+    "U16": 16, "I16": 16, "F16": 16, "BF16": 16,
+    "U32": 32, "I32": 32, "F32": 32,
+    "U64": 64, "I64": 64, "F64": 64, "C64": 64,
+    "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
+}
+
+# The first torch release with each dtype weightstream maps (said when the
+# installed torch lacks it).
+TORCH_SINCE = {"float8_e8m0fnu": "2.7", "float4_e2m1fn_x2": "2.8", "uint16": "2.3", "uint32": "2.3", "uint64": "2.3"}
+
+
+def dtype_bits(dtype):
+    """Bits of one element of `dtype` (a safetensors name)."""
+    try:
+        return BITS[dtype]
+    except KeyError:
+        raise TypeError(f"dtype {dtype}: not a safetensors dtype") from None
+
 
 # safetensors dtype -> torch dtype attribute name.
 TORCH = {
@@ -54,8 +77,21 @@ def torch_dtype(dtype):
     name = TORCH.get(dtype)
     t = getattr(torch, name, None) if name else None
     if t is None:
-        raise TypeError(f"dtype {dtype} has no torch type in this torch ({torch.__version__})")
+        since = f"; torch {TORCH_SINCE[name]} and later have it as torch.{name}" if name in TORCH_SINCE else ""
+        raise TypeError(f"dtype {dtype} has no torch type in this torch ({torch.__version__}){since}")
     return t
+
+
+def index_torch(t, rest):
+    """`t[rest]` made contiguous, for any dtype: the indexing and the copy
+    run on an integer view of the same element size, so dtypes whose
+    kernels torch lacks (float8, float4) index as any other."""
+    if isinstance(rest, tuple) and not rest:
+        return t
+    import torch
+
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.view(ints[t.element_size()])[rest].contiguous().view(t.dtype)
 
 
 def torch_shape(dtype, shape, name=None):

@@ -1,18 +1,23 @@
 """``safetensors.torch``'s reader (``load_file``), and loads shared across
 the ranks of a ``torch.distributed`` process group (``load_distributed``)."""
 
-from . import _native, _paths, _model_path, _names, _shard_rule, shard_bounds
+from . import _backend, _device, _native, _paths, _model_path, _names, _on, _shard_rule, shard_bounds
 from . import load as _load
 from ._convert import torch_dtype as _torch_dtype
 from ._convert import torch_shape as _torch_shape
 
 
-def load_file(filename, device="cpu"):
+def load_file(filename, device="cpu", *, backend="mmap"):
     """``safetensors.torch.load_file``: ``{name: torch.Tensor}`` of one file,
-    read O_DIRECT into memory the tensors keep alive. Only ``device="cpu"``."""
-    if str(device) != "cpu":
-        raise ValueError(f"device {device!r}: weightstream reads into CPU memory (device='cpu')")
-    return _load(filename, framework="pt")
+    read O_DIRECT into memory the tensors keep alive, then moved to
+    ``device`` when it is not the CPU (safetensors' device names).
+    ``backend`` ("mmap" or "pread") is accepted and changes nothing: every
+    tensor is read weightstream's way; another value is refused as
+    safetensors refuses it."""
+    dev = _device(device, "pytorch")
+    _backend(backend)
+    sd = _load(filename, framework="pt")
+    return sd if dev is None else {k: _on(v, dev) for k, v in sd.items()}
 
 
 # Reads a rank keeps in flight, refilled by a thread as each lands. Few:
