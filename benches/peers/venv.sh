@@ -9,24 +9,20 @@
 # CPU-only torch), used only when the venv is made or completed.
 #
 # The check imports torch, safetensors, numpy, runai_model_streamer,
-# fastsafetensors, pytest and transformers (ci/python's tests run in this
-# venv too) and checks the pinned versions; when all hold, nothing is
+# fastsafetensors, pytest and transformers; when all import, nothing is
 # installed and only the path is printed (idempotent, quiet). Otherwise
 # `python3 -m venv` (if there is no venv yet) and `pip install torch
-# safetensors==0.8.0 numpy runai-model-streamer fastsafetensors pytest
-# transformers==5.25.0`, their output on stderr. safetensors is pinned:
-# ci/python runs that release's own read tests against the drop-in (and
-# the next release's as soon as one is out); transformers is pinned for
-# the logits test. The rest are not: every arm's JSON records the
-# versions it ran with.
+# safetensors numpy runai-model-streamer fastsafetensors pytest
+# transformers`, their output on stderr. Versions are not pinned: every
+# arm's JSON records the versions it ran with. (ci/python's tests run in
+# the pinned venv of benches/vllm/venv.sh.)
 set -euo pipefail
 dir=${WS_PEERS_VENV:-/var/cache/weightstream/peers-venv}
 py=$dir/bin/python
-pkgs=(torch safetensors==0.8.0 numpy runai-model-streamer fastsafetensors pytest transformers==5.25.0)
+pkgs=(torch safetensors numpy runai-model-streamer fastsafetensors pytest transformers)
 mods="torch, safetensors, numpy, runai_model_streamer, fastsafetensors, pytest, transformers"
-pins='assert safetensors.__version__ == "0.8.0" and transformers.__version__ == "5.25.0"'
 
-complete() { [ -x "$py" ] && "$py" -c "import $mods; $pins" >/dev/null 2>&1; }
+complete() { [ -x "$py" ] && "$py" -c "import $mods" >/dev/null 2>&1; }
 
 if ! complete; then
     mkdir -p "$(dirname "$dir")"

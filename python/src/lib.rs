@@ -86,6 +86,22 @@ fn layout(
     route: Option<&str>,
     direct: Option<&str>,
 ) -> PyResult<ws::ModelConfig> {
+    layout_with(path, (dirs, mirrors, route, direct), false)
+}
+
+/// The layout arguments: split dirs, mirrors, route, direct.
+type LayoutArgs<'a> = (
+    Option<Vec<String>>,
+    Option<Vec<String>>,
+    Option<&'a str>,
+    Option<&'a str>,
+);
+
+/// [`layout`], with the `WEIGHTSTREAM_*` layout variables applied first
+/// when `env` (`WEIGHTSTREAM_MODEL_DIRS`, `_MIRROR`, `_DISK_WEIGHTS`,
+/// `_ROUTE`, `_DIRECT`, as the command and `ModelConfig::from_env` read
+/// them); the arguments given override them.
+fn layout_with(path: &str, (dirs, mirrors, route, direct): LayoutArgs<'_>, env: bool) -> PyResult<ws::ModelConfig> {
     let p = std::path::Path::new(path);
     if !p.exists() {
         // As safetensors says it, before anything else is looked at.
@@ -98,6 +114,9 @@ fn layout(
     } else {
         ws::ModelConfig::file(p)
     };
+    if env {
+        c = c.settings(|k| std::env::var(k).ok()).map_err(to_py)?;
+    }
     if let Some(d) = dirs {
         c = c.dirs(d);
     }
@@ -717,14 +736,15 @@ fn slice_room(slice: &ws::TensorSlice, align: usize) -> usize {
 /// `offset`: the payload's in it, `drives`: the `st_dev` of each copy of
 /// the shard, primary first): its headers only, no engine.
 #[pyfunction]
-#[pyo3(signature = (path, dirs=None, mirrors=None))]
+#[pyo3(signature = (path, dirs=None, mirrors=None, env=false))]
 fn catalog(
     py: Python<'_>,
     path: &str,
     dirs: Option<Vec<String>>,
     mirrors: Option<Vec<String>>,
+    env: bool,
 ) -> PyResult<Vec<CatalogEntry>> {
-    let config = layout(path, dirs, mirrors, None, None)?;
+    let config = layout_with(path, (dirs, mirrors, None, None), env)?;
     let model = py.detach(|| ws::Model::open(config)).map_err(to_py)?;
     let shards = model.catalog().shards();
     // The volumes (st_dev) of each shard's copies, primary first.
@@ -984,11 +1004,30 @@ struct Stream {
     /// Reads in flight: the tensor (or slice) and its ticket (`None`: no
     /// bytes, or its submission failed: the error is handed out in order).
     pending: std::collections::VecDeque<(Meta, ws::Result<Option<ws::SliceTicket>>)>,
+    /// Memory whole tensors land in: one packed mapping of at most
+    /// [`STREAM_ARENA_BYTES`], each tensor a slot of it that comes back only
+    /// when Python has dropped the tensor (so a tensor kept holds its bytes
+    /// for as long as it lives, and nothing reads into them meanwhile). A
+    /// consumer that copies each tensor and drops it (vLLM's
+    /// `load_weights`) reuses the same pages, faulted once; a tensor that
+    /// finds no room gets a mapping of its own. `None`: the kernel refused
+    /// it (each tensor then has its own).
+    arena: Option<ws::Arena>,
     engine: ws::Engine,
     todo: std::collections::VecDeque<Todo>,
     window: usize,
+    /// Hand each tensor to forked children (see [`payload`]); off only for
+    /// a consumer that copies each tensor away and forks nothing meanwhile
+    /// (the vLLM loader): the hand-over splits the mapping's huge pages,
+    /// which cost that loader 10% of its load (docs/benchmarks/2026-12-03-vllm).
+    inherit: bool,
     _model: ws::Model,
 }
+
+/// The most memory a stream's own mapping takes ([`Stream::arena`]): room
+/// for many tensors in flight and in the consumer's hands at once, far
+/// below a model.
+const STREAM_ARENA_BYTES: usize = 256 << 20;
 
 /// An item asked of a stream: a tensor's name, and a range per leading
 /// dimension for a slice (`None`: the whole tensor).
@@ -1016,7 +1055,10 @@ impl Stream {
                         if t.len == 0 {
                             return Ok(None);
                         }
-                        let slot = read_once_arena_for(&self.engine, &t)?.take_for(&t)?;
+                        let slot = match self.arena.as_ref().map(|a| a.take_for(&t)) {
+                            Some(Ok(slot)) => slot,
+                            _ => read_once_arena_for(&self.engine, &t)?.take_for(&t)?,
+                        };
                         Ok(Some(self.engine.read(&t, slot)?.into()))
                     })();
                     (meta, ticket)
@@ -1048,7 +1090,7 @@ impl Stream {
 #[pymethods]
 impl Stream {
     #[new]
-    #[pyo3(signature = (path, dirs=None, mirrors=None, route=None, direct=None, names=None, window=8, items=None))]
+    #[pyo3(signature = (path, dirs=None, mirrors=None, route=None, direct=None, names=None, window=8, items=None, env=false, inherit=true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -1060,8 +1102,10 @@ impl Stream {
         names: Option<Vec<String>>,
         window: usize,
         items: Option<Vec<StreamItem>>,
+        env: bool,
+        inherit: bool,
     ) -> PyResult<Self> {
-        let config = layout(path, dirs, mirrors, route, direct)?;
+        let config = layout_with(path, (dirs, mirrors, route, direct), env)?;
         let (model, engine) = open(py, config)?;
         let todo: std::collections::VecDeque<Todo> = match items {
             // These items, in this order: whole tensors, or slices.
@@ -1094,11 +1138,26 @@ impl Stream {
                     .collect()
             }
         };
+        // The stream's own mapping: as much as its whole tensors take, at
+        // most STREAM_ARENA_BYTES (mapped now, faulted by the reads).
+        let wholes: Vec<&ws::TensorRef> = todo
+            .iter()
+            .filter_map(|t| match t {
+                Todo::Whole(t) if t.len > 0 => Some(t),
+                _ => None,
+            })
+            .collect();
+        let arena = match engine.placement_bytes(&wholes) {
+            Ok(0) | Err(_) => None,
+            Ok(bytes) => read_once_arena(&engine, bytes.min(STREAM_ARENA_BYTES)).ok(),
+        };
         let mut stream = Stream {
             pending: Default::default(),
+            arena,
             engine,
             todo,
             window: window.clamp(1, 1024),
+            inherit,
             _model: model,
         };
         // The reads start now, not at the first `next`: a caller busy with
@@ -1130,12 +1189,60 @@ impl Stream {
             Ok(None) => Ok(Payload {
                 bytes: Arc::new(Bytes::Empty),
             }),
-            Ok(Some(ticket)) => py.detach(|| ticket.wait().map(payload)),
+            Ok(Some(ticket)) => py.detach(|| {
+                ticket.wait().map(|l| {
+                    if self.inherit {
+                        payload(l)
+                    } else {
+                        Payload {
+                            bytes: Arc::new(Bytes::Loaded(l)),
+                        }
+                    }
+                })
+            }),
             Err(e) => Err(e),
         };
         self.fill();
         Ok(Some((name, dtype, shape, waited.map_err(to_py)?)))
     }
+}
+
+/// Makes the pages of `nbytes` at `address` (memory a tensor the caller
+/// holds owns, about to be written: a model's parameters before their
+/// weights are copied in) ready for writes: `MADV_HUGEPAGE` on the 2 MiB
+/// pages inside it when `huge`, then `MADV_POPULATE_WRITE` on its whole
+/// pages, so the writer meets neither a page fault nor a clear per 4 KiB.
+/// Neither advice changes a byte of a page already there. Returns None, or
+/// why the kernel refused (populating needs Linux 5.14), with the GIL
+/// released.
+#[pyfunction]
+fn _prepare_for_writes(py: Python<'_>, address: usize, nbytes: usize, huge: bool) -> Option<String> {
+    const PAGE: usize = 4096;
+    const HUGE: usize = 2 << 20;
+    let end = address.checked_add(nbytes)?;
+    let (lo, hi) = (address.next_multiple_of(PAGE), end / PAGE * PAGE);
+    if address == 0 || hi <= lo {
+        return None;
+    }
+    py.detach(|| {
+        let advise = |from: usize, to: usize, advice: rustix::mm::Advice| {
+            // SAFETY: `from..to` lies inside the caller's live tensor
+            // (whole pages of it); MADV_HUGEPAGE and MADV_POPULATE_WRITE
+            // change how the range is backed and fault missing pages in,
+            // never the contents of a page that is there or the mapping
+            // itself. A range the kernel does not like is an error
+            // returned, never a write.
+            unsafe { rustix::mm::madvise(from as *mut std::ffi::c_void, to - from, advice) }
+                .map_err(|e| format!("madvise({advice:?}) on {} bytes: {e}", to - from))
+        };
+        let (hlo, hhi) = (address.next_multiple_of(HUGE), end / HUGE * HUGE);
+        let huge_refused = (huge && hhi > hlo)
+            .then(|| advise(hlo, hhi, rustix::mm::Advice::LinuxHugepage).err())
+            .flatten();
+        advise(lo, hi, rustix::mm::Advice::LinuxPopulateWrite)
+            .err()
+            .or(huge_refused)
+    })
 }
 
 /// The library's version.
@@ -1153,6 +1260,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(load, m)?)?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
     m.add_function(wrap_pyfunction!(_set_error_type, m)?)?;
+    m.add_function(wrap_pyfunction!(_prepare_for_writes, m)?)?;
     m.add("SafetensorError", m.py().get_type::<SafetensorError>())?;
     Ok(())
 }

