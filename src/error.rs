@@ -298,6 +298,20 @@ pub enum Error {
         /// Each copy tried and why it failed.
         causes: String,
     },
+    /// A call that fills many destinations (`Engine::fill`) failed after
+    /// its reads began: `source` is the first failure; `done` of `total`
+    /// destinations hold their whole payload, the others may be partly
+    /// written. Nothing is in flight when this is returned.
+    #[error("{source}; {done} of {total} destinations are complete, the others may be partly written")]
+    Incomplete {
+        /// The first failure.
+        #[source]
+        source: Box<Error>,
+        /// Destinations complete.
+        done: usize,
+        /// Destinations asked for.
+        total: usize,
+    },
     /// A drive's I/O thread is gone (it stopped after a fault, or the
     /// engine is shutting down): reads that need it fail at once.
     #[error("drive {device}: {reason}")]

@@ -161,8 +161,8 @@ pub use config::{
     DEFAULT_SLICE_STAGING,
 };
 pub use engine::{
-    DrivePlacement, Engine, Lent, LentLoaded, LentTicket, Loaded, Scratch, ShutdownReport, SliceTicket, Ticket,
-    SLICE_PIECE_BYTES,
+    DrivePlacement, Engine, FillOptions, FillReport, FillTarget, Lent, LentLoaded, LentTicket, Loaded, Scratch,
+    ShutdownReport, SliceTicket, Ticket, DEFAULT_FILL_STAGING, MAX_FILL_COPY_THREADS, SLICE_PIECE_BYTES,
 };
 pub use error::{Error, ExpertsError, HeaderError, Result, SUGGESTIONS};
 pub use format::catalog::{Catalog, ShardInfo, TensorRef};

@@ -21,6 +21,7 @@ use crate::storage::numa::{Locality, Provider};
 
 mod backend;
 mod completion;
+mod fill;
 mod inflight;
 mod lanes;
 mod lend;
@@ -37,6 +38,7 @@ mod sync;
 mod ticket;
 mod warnings;
 
+pub use fill::{FillOptions, FillReport, FillTarget, DEFAULT_FILL_STAGING, MAX_FILL_COPY_THREADS};
 pub use lend::{Lent, LentLoaded, LentTicket, Scratch};
 use queue::{Control, Io};
 use registry::Registry;

@@ -52,10 +52,33 @@ impl Staging {
     /// and registered) and takes `want` bytes for `spec` from it.
     pub(crate) fn add(&self, arena: Arena, want: usize, spec: SlotSpec) -> Option<Slot> {
         let slot = arena.take_window(want, spec);
-        let now = self.counters.mapped.fetch_add(arena.bytes() as u64, Ordering::Relaxed) + arena.bytes() as u64;
-        self.counters.peak.fetch_max(now, Ordering::Relaxed);
+        self.count_mapped(&arena);
         lock(&self.arenas).push(arena);
         slot
+    }
+
+    /// An idle staging arena (no slot out) of at least `bytes`, taken out
+    /// of the pool for one caller's exclusive use (`Engine::fill`); the
+    /// smallest such. Still counted as mapped.
+    pub(crate) fn borrow_idle(&self, bytes: usize) -> Option<Arena> {
+        let mut arenas = lock(&self.arenas);
+        let i = (0..arenas.len())
+            .filter(|&i| arenas[i].is_empty() && arenas[i].bytes() >= bytes)
+            .min_by_key(|&i| arenas[i].bytes())?;
+        Some(arenas.swap_remove(i))
+    }
+
+    /// Counts `arena` (just mapped for staging, not yet in the pool) as
+    /// mapped.
+    pub(crate) fn count_mapped(&self, arena: &Arena) {
+        let now = self.counters.mapped.fetch_add(arena.bytes() as u64, Ordering::Relaxed) + arena.bytes() as u64;
+        self.counters.peak.fetch_max(now, Ordering::Relaxed);
+    }
+
+    /// Puts an arena from [`Staging::borrow_idle`] (or counted with
+    /// [`Staging::count_mapped`]) back in the pool, for later reads.
+    pub(crate) fn put_back(&self, arena: Arena) {
+        lock(&self.arenas).push(arena);
     }
 
     /// Unmaps idle staging arenas (no slot out) beyond `keep` bytes of idle

@@ -75,7 +75,12 @@ impl Fail {
 impl From<ws::Error> for Fail {
     fn from(e: ws::Error) -> Self {
         use ws::Error as E;
-        let code = match &e {
+        // A fill that failed part way: the code of its cause.
+        let cause = match &e {
+            E::Incomplete { source, .. } => source.as_ref(),
+            e => e,
+        };
+        let code = match cause {
             E::Io { .. } => ws_status::WS_ERR_IO,
             E::Header { .. } | E::Catalog { .. } | E::Experts(_) => ws_status::WS_ERR_FORMAT,
             E::NoSuchTensor { .. } => ws_status::WS_ERR_NOT_FOUND,
