@@ -304,6 +304,7 @@ fn slices_land_as_the_oracle_says_rows_columns_and_blocks() {
             }
             assert_guards(got, &at, &lens, &format!("{backend:?} slices"));
             assert_eq!(r.bytes, lens.iter().map(|&n| n as u64).sum::<u64>());
+            assert_eq!(r.in_place_bytes + r.staged_bytes + r.buffered_bytes, r.bytes, "{r:?}");
             // Columns move at most their covering rows' blocks.
             assert!(r.bytes_read < file.len() as u64 * 2, "{r:?}");
         }

@@ -240,8 +240,13 @@ enum Copy {
 enum Unit {
     /// Whole blocks straight into the target's memory at `at`.
     InPlace { target: usize, read: TensorRef, at: usize },
-    /// Through staging, then `copy`.
-    Staged { target: usize, read: TensorRef, copy: Copy },
+    /// Through staging, then `copy` (`lands`: the payload bytes it copies).
+    Staged {
+        target: usize,
+        read: TensorRef,
+        copy: Copy,
+        lands: u64,
+    },
     /// No O_DIRECT copy of the shard: buffered straight into place.
     Buffered { target: usize, read: TensorRef, at: usize },
 }
@@ -456,7 +461,13 @@ impl Engine {
                     in_place_targets[*target] = true;
                     (&mut report.in_place_reads, &mut report.in_place_bytes, read)
                 }
-                Unit::Staged { read, .. } => (&mut report.staged_reads, &mut report.staged_bytes, read),
+                Unit::Staged { read, lands, .. } => {
+                    report.staged_reads += 1;
+                    report.staged_bytes += lands;
+                    let pad = (read.offset % align as u64) as usize;
+                    report.bytes_read += window_bytes(pad, read.len, align).unwrap_or(0) as u64;
+                    continue;
+                }
                 Unit::Buffered { read, .. } => (&mut report.buffered_reads, &mut report.buffered_bytes, read),
             };
             *stat_reads += 1;
@@ -555,7 +566,12 @@ impl Engine {
                     break;
                 }
                 let submitted = match u {
-                    Unit::Staged { target, read, copy } => {
+                    Unit::Staged {
+                        target,
+                        read,
+                        copy,
+                        lands,
+                    } => {
                         let arena = staging.as_ref().expect("mapped when any unit is staged");
                         let pad = (read.offset % align as u64) as usize;
                         let want = window_bytes(pad, read.len, align).unwrap_or(usize::MAX);
@@ -599,7 +615,7 @@ impl Engine {
                                 ticket,
                                 target,
                                 copy,
-                                bytes: read.len,
+                                bytes: lands,
                             });
                             shared.changed.notify_one();
                         })
@@ -767,9 +783,18 @@ impl Engine {
                             s.tensor(),
                             s.tensor().offset + p.range.start..s.tensor().offset + p.range.end,
                         );
+                        let lands = s.runs()[p.runs.clone()]
+                            .iter()
+                            .map(|r| {
+                                (r.src + r.len)
+                                    .min(p.range.end)
+                                    .saturating_sub(r.src.max(p.range.start))
+                            })
+                            .sum();
                         units.push(Unit::Staged {
                             target: i,
                             read,
+                            lands,
                             copy: Copy::Runs {
                                 slice: k,
                                 piece: p,
@@ -801,6 +826,7 @@ fn staged_range(
             target,
             read: part(r, a..b),
             copy: Copy::Whole(DestPtr((base + (a - r.offset) as usize) as *mut u8)),
+            lands: b - a,
         });
         a = b;
     }

@@ -50,7 +50,11 @@
 #define WS_ABI_VERSION_MAJOR 1
 
 // The ABI's minor version: additions only.
-#define WS_ABI_VERSION_MINOR 0
+#define WS_ABI_VERSION_MINOR 1
+
+// `ws_fill_options.flags`: every byte through staging and one copy, none
+// read in place (memory the kernel must not write).
+#define WS_FILL_STAGED 1
 
 // `ws_engine_options.numa`: the default (on).
 #define WS_NUMA_DEFAULT 0
@@ -202,6 +206,71 @@ typedef struct ws_stats {
   uint32_t warnings;
 } ws_stats;
 
+// How `ws_fill` reads. Start from `ws_fill_options_default()`; a zero
+// field is the default.
+typedef struct ws_fill_options {
+  // `sizeof(ws_fill_options)` as the caller compiled it.
+  uint32_t struct_size;
+  // 0 or `WS_FILL_STAGED`.
+  uint32_t flags;
+  // Bytes of staging the reads not yet copied hold at most; 0: the
+  // default (64 MiB).
+  uint64_t staging_bytes;
+  // Copy threads besides the calling thread; -1: the default (the CPUs
+  // the I/O threads leave spare, 1 to 8); 0: the calling thread alone.
+  int32_t copy_threads;
+} ws_fill_options;
+
+// A range `[start, end)` of one dimension of a tensor (`ws_read_slice`).
+typedef struct ws_range {
+  uint64_t start;
+  uint64_t end;
+} ws_range;
+
+// One destination of `ws_fill`.
+typedef struct ws_fill_target {
+  // The tensor's NUL-terminated name.
+  const char *name;
+  // A slice of it (`ndims` ranges, one per leading dimension, the rest
+  // whole; as `ws_read_slice`), or NULL with `ndims` 0: all of it.
+  const struct ws_range *bounds;
+  size_t ndims;
+  // Where its bytes (compact, row-major) land: `len` bytes, exactly the
+  // tensor's (or the slice's) payload.
+  void *dest;
+  size_t len;
+} ws_fill_target;
+
+// What `ws_fill` did.
+typedef struct ws_fill_report {
+  // Destinations whose whole payload is in place. On an error, the
+  // others may be partly written.
+  uint64_t targets_complete;
+  // Payload bytes written.
+  uint64_t bytes;
+  // Bytes of whole blocks the drives moved.
+  uint64_t bytes_read;
+  // Payload bytes read in place (O_DIRECT), staged and copied, and read
+  // buffered (no O_DIRECT copy of the shard).
+  uint64_t in_place_bytes;
+  uint64_t staged_bytes;
+  uint64_t buffered_bytes;
+  // Reads of each kind.
+  uint64_t in_place_reads;
+  uint64_t staged_reads;
+  uint64_t buffered_reads;
+  // Bytes of the staging arena used.
+  uint64_t staging_bytes;
+  // Copy threads started.
+  uint32_t copy_threads;
+  // 1 where the reads ever waited for a copy to give staging back.
+  int staging_waited;
+  // CPU time of the copies, all threads.
+  uint64_t copy_cpu_ns;
+  // Wall time of the call.
+  uint64_t elapsed_ns;
+} ws_fill_report;
+
 // Memory an engine reads into: the caller's (`ws_memory_register`) or the
 // engine's (`ws_arena_create`, `ws_arena_create_slots`). Zero is none.
 typedef struct ws_memory {
@@ -268,12 +337,6 @@ typedef struct ws_read {
 typedef struct ws_ticket {
   uint64_t id;
 } ws_ticket;
-
-// A range `[start, end)` of one dimension of a tensor (`ws_read_slice`).
-typedef struct ws_range {
-  uint64_t start;
-  uint64_t end;
-} ws_range;
 
 // What a slice is (`ws_slice_size`): its bytes, and how it would be read.
 typedef struct ws_slice_info {
@@ -367,6 +430,43 @@ enum ws_status ws_engine_stats(struct ws_engine engine, struct ws_stats *out);
 // # Safety
 // `json` is valid for a write.
 enum ws_status ws_engine_stats_json(struct ws_engine engine, char **json);
+
+// The default fill options, `struct_size` filled in.
+struct ws_fill_options ws_fill_options_default(void);
+
+// Reads each target's tensor (or slice) into its `dest` and returns once
+// all of them are there: the payload's whole blocks in place, O_DIRECT,
+// where `dest` is in phase with the payload (`dest % align == file_offset
+// % align`, `ws_engine_direct_align`); everything else O_DIRECT into the
+// engine's staging (at most `options->staging_bytes`, kept for the next
+// call) and one copy into place, on copy threads while later pieces are
+// read. Only each target's `len` bytes are written.
+//
+// Checked before anything is read: every name is the model's
+// (`WS_ERR_NOT_FOUND`), every `len` is its payload's and no two targets
+// overlap (`WS_ERR_INVALID`, naming the tensors and lengths). A read that
+// fails after reads began returns its code; `report->targets_complete`
+// (and the message) say how many destinations are whole, the others may
+// be partly written. Either way the call returns only once nothing writes
+// any `dest` any more.
+//
+// `options` and `report` may be NULL.
+//
+// Thread safety: any number of threads may fill at once (distinct
+// destinations); the engine cannot be shut down during the call
+// (`WS_ERR_BUSY`).
+//
+// # Safety
+// `targets` is valid for `count` reads; each `name` is NUL-terminated and
+// each `bounds` valid for `ndims` reads; each `dest` is valid for `len`
+// byte writes and nothing else reads or writes it (no read of this
+// library into it in flight either) until the call returns; `options` is
+// NULL or a `ws_fill_options`; `report` is NULL or valid for a write.
+enum ws_status ws_fill(struct ws_engine engine,
+                       const struct ws_fill_target *targets,
+                       size_t count,
+                       const struct ws_fill_options *options,
+                       struct ws_fill_report *report);
 
 // Lends `len` bytes of the caller's memory at `ptr` (page-aligned) to the
 // engine, registered with its rings where the kernel allows (a refusal is

@@ -7,7 +7,7 @@
 //! plus a thread-local message; a forked child is refused before any lock),
 //! and every pointer the caller passes is checked for NULL before use. The
 //! modules follow the handles: [`model`], [`engine`], [`memory`] (the
-//! caller's and the engine's), [`read`] (reads and tickets); [`types`] are
+//! caller's and the engine's), [`read`] (reads and tickets), [`fill`] (many destinations the caller has, filled in one call); [`types`] are
 //! the C structs, [`util`] reads and writes the caller's pointers. The unsafe here is only the reading and
 //! writing of the caller's pointers and the lending of the caller's memory
 //! to the engine (`Engine::register_memory`, whose obligations the header
@@ -17,6 +17,7 @@
 #![allow(clippy::missing_safety_doc)] // every pub unsafe fn has `# Safety` below; the lint misses extern "C"
 
 mod engine;
+mod fill;
 mod handles;
 mod memory;
 mod model;
@@ -29,6 +30,7 @@ pub use engine::{
     ws_engine_create, ws_engine_create_env, ws_engine_direct_align, ws_engine_options_default, ws_engine_shutdown,
     ws_engine_stats, ws_engine_stats_json,
 };
+pub use fill::{ws_fill, ws_fill_options, ws_fill_options_default, ws_fill_report, ws_fill_target, WS_FILL_STAGED};
 pub use memory::{
     ws_arena_create, ws_arena_create_slots, ws_memory_placement, ws_memory_register, ws_memory_unregister,
 };
@@ -48,7 +50,7 @@ pub use util::ws_string_free;
 /// older header bumps it.
 pub const WS_ABI_VERSION_MAJOR: u32 = 1;
 /// The ABI's minor version: additions only.
-pub const WS_ABI_VERSION_MINOR: u32 = 0;
+pub const WS_ABI_VERSION_MINOR: u32 = 1;
 
 /// `(WS_ABI_VERSION_MAJOR << 16) | WS_ABI_VERSION_MINOR` of the library
 /// loaded at run time: compare its major with the header's.

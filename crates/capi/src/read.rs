@@ -299,7 +299,12 @@ pub unsafe extern "C" fn ws_read_into(
 ///
 /// # Safety
 /// `bounds` is valid for `ndims` reads (or `ndims` is 0).
-unsafe fn slice_of(e: &EngineObj, tensor: usize, bounds: *const ws_range, ndims: usize) -> Res<ws::TensorSlice> {
+pub(crate) unsafe fn slice_of(
+    e: &EngineObj,
+    tensor: usize,
+    bounds: *const ws_range,
+    ndims: usize,
+) -> Res<ws::TensorSlice> {
     let t = e.model.tensor(tensor)?;
     if ndims > 0 && bounds.is_null() {
         return Err(null("bounds"));

@@ -480,6 +480,98 @@ static void test_slices(ws_model m, ws_engine e) {
     free(want);
 }
 
+/* ws_fill: every tensor of the model into memory of the test's own, some in
+ * phase (read in place), some not (staged), plus a column slice of the
+ * largest 2-D tensor; each equals the file (a column slice row by row), and
+ * not a byte around a destination is written. Then the refusals: a wrong
+ * length, overlapping destinations, an unknown name; nothing written. */
+static void test_fill(ws_model m, ws_engine e) {
+    size_t n = 0, align = 0;
+    ws_model_tensor_count(m, &n);
+    EXPECT(ws_engine_direct_align(e, &align), WS_OK);
+    ws_fill_target *targets = calloc(n + 1, sizeof *targets);
+    ws_tensor_info *info = calloc(n + 1, sizeof *info);
+    size_t *at = calloc(n + 1, sizeof *at);
+    size_t cursor = 4096, big = n;
+    for (size_t i = 0; i < n; i++) {
+        ws_model_tensor(m, i, &info[i]);
+        /* Even tensors in phase, odd ones 8 bytes off it. */
+        size_t phase = (size_t)(info[i].file_offset % align) + (i % 2 ? 8 : 0);
+        at[i] = (cursor + align - 1) / align * align + phase % align;
+        cursor = at[i] + (size_t)info[i].bytes + 64;
+        if (info[i].ndim == 2 && (big == n || info[i].bytes > info[big].bytes)) big = i;
+    }
+    CHECK(big < n, "a 2-D tensor");
+    uint64_t rows = info[big].shape[0], cols = info[big].shape[1], elem = info[big].bytes / (rows * cols);
+    ws_range colb[2] = {{0, rows}, {cols / 3, cols}};
+    size_t slice_bytes = (size_t)(rows * (cols - cols / 3) * elem);
+    at[n] = cursor + 5;
+    size_t len = at[n] + slice_bytes + 4096;
+    unsigned char *mem = page_memory(len);
+    memset(mem, 0xA5, len);
+    for (size_t i = 0; i < n; i++)
+        targets[i] = (ws_fill_target){.name = info[i].name, .dest = mem + at[i], .len = (size_t)info[i].bytes};
+    targets[n] = (ws_fill_target){.name = info[big].name, .bounds = colb, .ndims = 2, .dest = mem + at[n], .len = slice_bytes};
+    ws_fill_options opts = ws_fill_options_default();
+    opts.staging_bytes = 1 << 20;
+    ws_fill_report rep;
+    for (int staged = 0; staged < 2; staged++) {
+        opts.flags = staged ? WS_FILL_STAGED : 0;
+        memset(mem, 0xA5, len);
+        EXPECT(ws_fill(e, targets, n + 1, &opts, &rep), WS_OK);
+        CHECK(rep.targets_complete == n + 1, "every destination complete");
+        int same = 1;
+        for (size_t i = 0; i < n && same; i++) same = same_as_file(&info[i], 0, info[i].bytes, mem + at[i]);
+        CHECK(same, "every tensor equals the file (staged %d)", staged);
+        uint64_t part = (cols - cols / 3) * elem;
+        for (uint64_t r = 0; r < rows && same; r++)
+            same = same_as_file(&info[big], (r * cols + cols / 3) * elem, part, mem + at[n] + r * part);
+        CHECK(same, "the column slice equals the file row by row");
+        /* The destinations lie in address order: check each gap. */
+        int clean = 1;
+        size_t from = 0;
+        for (size_t k = 0; k <= n + 1 && clean; k++) {
+            size_t to = k <= n ? at[k] : len;
+            for (size_t b = from; b < to; b++)
+                if (mem[b] != 0xA5) { clean = 0; break; }
+            if (k <= n) from = at[k] + targets[k].len;
+        }
+        CHECK(clean, "nothing around the destinations is written");
+        CHECK(rep.in_place_bytes + rep.staged_bytes + rep.buffered_bytes == rep.bytes, "every byte took one path");
+        if (staged) CHECK(rep.in_place_reads == 0, "WS_FILL_STAGED reads nothing in place");
+        CHECK(rep.staging_bytes <= (1 << 20) + 2 * align, "staging within the budget: %llu", (unsigned long long)rep.staging_bytes);
+    }
+    /* Refusals, before anything is read. */
+    memset(mem, 0xA5, len);
+    ws_fill_target bad = targets[0];
+    bad.len += 1;
+    EXPECT(ws_fill(e, &bad, 1, NULL, &rep), WS_ERR_INVALID);
+    CHECK(strstr(ws_last_error(), info[0].name) != NULL, "names the tensor: %s", ws_last_error());
+    ws_fill_target two[2] = {targets[0], targets[1]};
+    two[1].dest = (unsigned char *)two[0].dest + 1;
+    EXPECT(ws_fill(e, two, 2, NULL, NULL), WS_ERR_INVALID);
+    CHECK(strstr(ws_last_error(), "overlap") != NULL, "says they overlap: %s", ws_last_error());
+    ws_fill_target unknown = targets[0];
+    unknown.name = "no.such.tensor";
+    EXPECT(ws_fill(e, &unknown, 1, NULL, NULL), WS_ERR_NOT_FOUND);
+    EXPECT(ws_fill(e, NULL, 1, NULL, NULL), WS_ERR_NULL);
+    EXPECT(ws_fill(e, NULL, 0, NULL, &rep), WS_OK);
+    ws_fill_options wrong = ws_fill_options_default();
+    wrong.struct_size = 4;
+    EXPECT(ws_fill(e, targets, 1, &wrong, NULL), WS_ERR_INVALID);
+    wrong = ws_fill_options_default();
+    wrong.flags = 0x80;
+    EXPECT(ws_fill(e, targets, 1, &wrong, NULL), WS_ERR_INVALID);
+    int untouched = 1;
+    for (size_t b = 0; b < len; b++)
+        if (mem[b] != 0xA5) { untouched = 0; break; }
+    CHECK(untouched, "a refused fill writes nothing");
+    munmap(mem, len);
+    free(targets);
+    free(info);
+    free(at);
+}
+
 static void test_arenas(ws_model m, ws_engine e) {
     size_t n = 0;
     ws_model_tensor_count(m, &n);
@@ -744,6 +836,7 @@ int main(int argc, char **argv) {
     EXPECT(ws_engine_create(m, NULL, &e), WS_OK);
     test_ranges_and_misuse(m, e);
     test_slices(m, e);
+    test_fill(m, e);
     test_arenas(m, e);
     test_fork(m);
     test_threads(m, e);
