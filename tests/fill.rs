@@ -147,6 +147,7 @@ fn every_tensor_lands_whole_in_and_out_of_phase_on_every_path() {
                         staging_bytes: 256 << 10,
                         copy_threads,
                         in_place,
+                        ..FillOptions::default()
                     };
                     let r = {
                         let targets = dests(buf.bytes_mut(), &at, &lens)
@@ -468,4 +469,39 @@ fn a_shard_cut_short_fails_saying_how_many_destinations_are_complete() {
         // Put the file back for the next backend.
         awkward(&dir);
     }
+}
+
+#[test]
+fn a_cancelled_fill_starts_no_read_after_it_and_says_so() {
+    let tmp = common::tempdir();
+    let dir = tmp.path().join("awkward");
+    let (_, placed) = awkward(&dir);
+    let model = Model::open(ModelConfig::new(&dir)).unwrap();
+    let e = engine(&model, BackendChoice::Auto);
+    let tensors: Vec<TensorRef> = placed
+        .iter()
+        .map(|(n, _, _)| model.tensor(n).unwrap().clone())
+        .collect();
+    let mut bufs: Vec<Vec<u8>> = tensors.iter().map(|t| vec![GUARD; t.len as usize]).collect();
+    let cancel = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let before = e.stats().bytes;
+    let err = e
+        .fill(
+            bufs.iter_mut()
+                .zip(&tensors)
+                .map(|(b, t)| FillTarget::tensor(t, b))
+                .collect(),
+            &FillOptions {
+                cancel: Some(cancel),
+                ..FillOptions::default()
+            },
+        )
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::Incomplete { total, .. } if *total == tensors.len()),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("cancelled"), "{err}");
+    assert_eq!(e.stats().bytes, before, "no read started");
+    assert!(bufs.iter().flatten().all(|&b| b == GUARD));
 }

@@ -29,6 +29,9 @@ use dlpack::{Bytes, Payload};
 /// One tensor handed to Python: `(name, dtype, shape, payload)`.
 type Item = (String, String, Vec<usize>, Payload);
 
+/// `Reader._fill`'s targets: `(name, bounds, (start, end), address, nbytes)`.
+type FillTargets = Vec<(String, Option<Vec<(usize, usize)>>, Option<(u64, u64)>, usize, usize)>;
+
 create_exception!(
     _native,
     SafetensorError,
@@ -67,15 +70,25 @@ fn _set_error_type(py: Python<'_>, cls: Bound<'_, pyo3::types::PyType>) -> PyRes
 /// a missing file is `FileNotFoundError`, another I/O error `OSError`, a
 /// refused header, index or missing tensor `SafetensorError`, a bad setting
 /// `ValueError`. The message is the library's: file, operation, cause.
+///
+/// A fill that failed part way (`Error::Incomplete`) is raised as its
+/// cause is, with the whole message (how many destinations are complete).
 fn to_py(e: ws::Error) -> PyErr {
-    match &e {
+    let msg = e.to_string();
+    let cause = match &e {
+        ws::Error::Incomplete { source, .. } => source.as_ref(),
+        e => e,
+    };
+    match cause {
         ws::Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
-            PyFileNotFoundError::new_err(e.to_string())
+            PyFileNotFoundError::new_err(msg)
         }
-        ws::Error::Io { .. } => PyOSError::new_err(e.to_string()),
-        ws::Error::NoSuchTensor { name, .. } => safetensor_error(format!("File does not contain tensor {name} ({e})")),
-        ws::Error::Config(_) => PyValueError::new_err(e.to_string()),
-        _ => safetensor_error(e.to_string()),
+        ws::Error::Io { .. } => PyOSError::new_err(msg),
+        ws::Error::NoSuchTensor { name, .. } => {
+            safetensor_error(format!("File does not contain tensor {name} ({msg})"))
+        }
+        ws::Error::Config(_) => PyValueError::new_err(msg),
+        _ => safetensor_error(msg),
     }
 }
 
@@ -540,6 +553,13 @@ impl Reader {
             .find_map(|s| s.header.metadata.clone()))
     }
 
+    /// The O_DIRECT block size `A` (`Engine::direct_align`): a payload at
+    /// file offset `off` lands in place at an address `a` with
+    /// `a % A == off % A`.
+    fn direct_align(&self) -> PyResult<usize> {
+        Ok(self.engine()?.direct_align())
+    }
+
     /// `(dtype, shape, nbytes, file_offset)` of `name`.
     fn info(&self, name: &str) -> PyResult<(String, Vec<usize>, u64, u64)> {
         let t = self.tensor(name)?;
@@ -653,6 +673,137 @@ impl Reader {
             r
         })
         .map_err(to_py)
+    }
+
+    /// Fills memory Python already has (`Engine::fill`): each target is
+    /// `(name, bounds or None, (start, end) or None, address, nbytes)`:
+    /// the tensor, a slice of it, or bytes `[start, end)` of its payload,
+    /// into `nbytes` at `address`, the memory of a tensor
+    /// the Python layer checked (CPU, contiguous, writable, of the payload's
+    /// size and dtype) and keeps alive, and that nothing else touches,
+    /// during this call. The fill runs on a thread of its own while this
+    /// one checks for signals every 50 ms; on Ctrl-C it is cancelled (no
+    /// read starts after it) and this call returns only once no read into
+    /// any target is in flight, then raises. Returns the report as JSON.
+    /// Private: `weightstream.torch.load_into` is the API.
+    #[pyo3(signature = (targets, staging_bytes=None, copy_threads=None, in_place=true))]
+    fn _fill(
+        &self,
+        py: Python<'_>,
+        targets: FillTargets,
+        staging_bytes: Option<usize>,
+        copy_threads: Option<usize>,
+        in_place: bool,
+    ) -> PyResult<String> {
+        let engine = self.engine()?;
+        let mut fill = Vec::with_capacity(targets.len());
+        for (name, bounds, range, address, nbytes) in &targets {
+            let whole = self.tensor(name)?;
+            let part;
+            let t = match range {
+                None => whole,
+                Some((a, z)) => {
+                    part = whole
+                        .byte_range(*a..*z)
+                        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+                    &part
+                }
+            };
+            let slice = match bounds {
+                None => None,
+                Some(_) if range.is_some() => {
+                    return Err(PyValueError::new_err(format!(
+                        "tensor {name}: a fill target is a slice or a byte range, not both"
+                    )))
+                }
+                Some(b) => Some(
+                    t.slice(&b.iter().map(|&(a, z)| a..z).collect::<Vec<_>>())
+                        .map_err(|e| PyValueError::new_err(e.to_string()))?,
+                ),
+            };
+            let ptr = match std::ptr::NonNull::new(*address as *mut u8) {
+                Some(p) => p,
+                None if *nbytes == 0 => std::ptr::NonNull::dangling(),
+                None => return Err(PyValueError::new_err(format!("tensor {name}: a NULL destination"))),
+            };
+            // SAFETY: the Python layer's contract above: `nbytes` writable
+            // bytes at `address`, kept alive and untouched by anyone else
+            // until this call returns, which it does only once the fill
+            // (below, on its own thread) has returned: Engine::fill returns
+            // only once nothing writes any target.
+            fill.push(unsafe { ws::FillTarget::from_raw(t, slice.as_ref(), ptr, *nbytes) });
+        }
+        let cancel = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut opts = ws::FillOptions {
+            copy_threads,
+            in_place,
+            cancel: Some(Arc::clone(&cancel)),
+            ..ws::FillOptions::default()
+        };
+        if let Some(b) = staging_bytes {
+            opts.staging_bytes = b;
+        }
+        let shared = Arc::clone(&engine.engine);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let worker = std::thread::Builder::new()
+            .name("ws-py-fill".into())
+            .spawn(move || {
+                let _ = tx.send(shared.fill(fill, &opts));
+            })
+            .map_err(|e| PyOSError::new_err(format!("start the fill thread: {e}")))?;
+        let rx = std::sync::Mutex::new(rx);
+        let recv = |timeout: Option<Duration>| {
+            let rx = rx.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            match timeout {
+                Some(t) => rx.recv_timeout(t),
+                None => rx.recv().map_err(|_| std::sync::mpsc::RecvTimeoutError::Disconnected),
+            }
+        };
+        let result = loop {
+            match py.detach(|| recv(Some(Duration::from_millis(50)))) {
+                Ok(r) => break r,
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                    if let Err(signal) = py.check_signals() {
+                        // Never return while a read may still write into
+                        // Python's memory: cancel, then wait for the end.
+                        cancel.store(true, std::sync::atomic::Ordering::Release);
+                        let _ = py.detach(|| recv(None));
+                        let _ = py.detach(|| worker.join());
+                        return Err(signal);
+                    }
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                    // The thread ended without a result: it panicked, and
+                    // Engine::fill's guards waited out every read first.
+                    let _ = py.detach(|| worker.join());
+                    return Err(PyOSError::new_err(
+                        "the fill thread ended without a result (it panicked)",
+                    ));
+                }
+            }
+        };
+        let _ = py.detach(|| worker.join());
+        drop(engine);
+        let r = result.map_err(to_py)?;
+        Ok(serde_json::json!({
+            "targets": r.targets,
+            "bytes": r.bytes,
+            "bytes_read": r.bytes_read,
+            "in_place_reads": r.in_place_reads,
+            "in_place_bytes": r.in_place_bytes,
+            "staged_reads": r.staged_reads,
+            "staged_bytes": r.staged_bytes,
+            "buffered_reads": r.buffered_reads,
+            "buffered_bytes": r.buffered_bytes,
+            "targets_in_place": r.targets_in_place,
+            "staging_bytes": r.staging_bytes,
+            "staging_waits": r.staging_waits,
+            "copy_threads": r.copy_threads,
+            "copy_cpu_seconds": r.copy_cpu_ns as f64 / 1e9,
+            "seconds": r.elapsed.as_secs_f64(),
+            "gbps": r.gb_per_s(),
+        })
+        .to_string())
     }
 
     /// Every counter of the engine, as JSON text.

@@ -5,6 +5,7 @@ from . import _backend, _device, _native, _paths, _model_path, _names, _on, _sha
 from . import load as _load
 from ._convert import torch_dtype as _torch_dtype
 from ._convert import torch_shape as _torch_shape
+from ._load_into import LoadIntoResult, load_into, transformers_rename  # noqa: F401 - the API
 
 
 def load_file(filename, device="cpu", *, backend="mmap"):

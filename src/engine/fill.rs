@@ -58,7 +58,7 @@ pub const DEFAULT_FILL_STAGING: usize = 64 << 20;
 pub const MAX_FILL_COPY_THREADS: usize = 8;
 
 /// How [`Engine::fill`] reads.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct FillOptions {
     /// Bytes of staging (one registered arena of the engine, reused by
     /// later fills): the most the reads not yet copied into place hold.
@@ -74,6 +74,12 @@ pub struct FillOptions {
     /// `false` sends every byte through staging and one copy: for memory
     /// the kernel must not write (or a test of that path).
     pub in_place: bool,
+    /// Set from another thread to stop the fill: no read starts after it
+    /// is seen, the reads in flight are waited for, and the call returns
+    /// [`Error::Incomplete`] (a cancellation as its cause). For a caller
+    /// that must stop early (Ctrl-C) without handing memory back while the
+    /// kernel may write it.
+    pub cancel: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
 }
 
 impl Default for FillOptions {
@@ -82,6 +88,7 @@ impl Default for FillOptions {
             staging_bytes: DEFAULT_FILL_STAGING,
             copy_threads: None,
             in_place: true,
+            cancel: None,
         }
     }
 }
@@ -563,6 +570,13 @@ impl Engine {
             };
             for u in units {
                 if shared.failed() {
+                    break;
+                }
+                if opts.cancel.as_ref().is_some_and(|c| c.load(Ordering::Acquire)) {
+                    shared
+                        .lock()
+                        .error
+                        .get_or_insert(Error::Config("fill: cancelled".into()));
                     break;
                 }
                 let submitted = match u {
