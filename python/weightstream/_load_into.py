@@ -84,7 +84,7 @@ def load_into(
     - ``shard``: as ``weightstream.load``'s (a rule table or function over
       the checkpoint's names); a rank's slice lands straight in its
       destination, and only its bytes are read.
-    - Memory: the destinations plus ``staging_bytes`` (default 64 MiB for
+    - Memory: the destinations plus ``staging_bytes`` (default 32 MiB for
       CPU destinations, 128 MiB of pinned buffers for device ones).
       ``in_place=False`` sends every byte through staging.
     - A read that fails after reads began raises naming the first failure

@@ -52,7 +52,7 @@ use crate::plan::placement::window_bytes;
 /// The staging a fill keeps by default ([`FillOptions::staging_bytes`]):
 /// enough pieces in flight to keep several NVMe drives busy while earlier
 /// pieces are copied.
-pub const DEFAULT_FILL_STAGING: usize = 64 << 20;
+pub const DEFAULT_FILL_STAGING: usize = 32 << 20;
 
 /// The most copy threads a fill starts by default.
 pub const MAX_FILL_COPY_THREADS: usize = 8;
@@ -857,10 +857,11 @@ fn part(r: &TensorRef, span: std::ops::Range<u64>) -> TensorRef {
     }
 }
 
-/// The largest piece a fill stages: [`SLICE_PIECE_BYTES`], or a quarter
-/// of a smaller budget, in whole blocks (one at least).
+/// The largest piece a fill stages: [`SLICE_PIECE_BYTES`], or an eighth
+/// of a smaller budget, in whole blocks (one at least): eight pieces in
+/// flight keep several drives busy while earlier pieces are copied.
 fn fill_piece_bytes(staging: usize, align: usize) -> usize {
-    (SLICE_PIECE_BYTES.min(staging / 4) / align).max(1) * align
+    (SLICE_PIECE_BYTES.min(staging / 8) / align).max(1) * align
 }
 
 /// Closes a fill's job queue when dropped (see `Engine::fill`).
@@ -878,9 +879,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn pieces_are_whole_blocks_within_a_quarter_of_the_budget() {
+    fn pieces_are_whole_blocks_within_an_eighth_of_the_budget() {
         assert_eq!(fill_piece_bytes(64 << 20, 4096), SLICE_PIECE_BYTES);
-        assert_eq!(fill_piece_bytes(4 << 20, 4096), 1 << 20);
+        assert_eq!(fill_piece_bytes(DEFAULT_FILL_STAGING, 4096), SLICE_PIECE_BYTES);
+        assert_eq!(fill_piece_bytes(4 << 20, 4096), 512 << 10);
         assert_eq!(fill_piece_bytes(1000, 4096), 4096);
         assert_eq!(fill_piece_bytes(0, 4096), 4096);
     }

@@ -41,7 +41,7 @@ pub struct ws_fill_options {
     /// 0 or `WS_FILL_STAGED`.
     pub flags: u32,
     /// Bytes of staging the reads not yet copied hold at most; 0: the
-    /// default (64 MiB).
+    /// default (32 MiB).
     pub staging_bytes: u64,
     /// Copy threads besides the calling thread; -1: the default (the CPUs
     /// the I/O threads leave spare, 1 to 8); 0: the calling thread alone.
