@@ -30,7 +30,7 @@ import statistics
 import subprocess
 import sys
 
-ARMS = ["weightstream", "weightstream-reused", "weightstream-faulted", "weightstream-before", "ws-py-load", "ws-py-safeopen", "fresh-read", "safetensors", "runai", "fastsafetensors"]
+ARMS = ["weightstream", "weightstream-reused", "weightstream-faulted", "weightstream-before", "ws-py-load", "ws-py-safeopen", "fresh-read", "safetensors", "safetensors09", "runai", "fastsafetensors"]
 WHAT = {
     "weightstream": "weightstream load",
     "weightstream-reused": "weightstream load --memory reused (judged against fio's best)",
@@ -40,6 +40,7 @@ WHAT = {
     "ws-py-safeopen": "weightstream.safe_open + get_tensor (Python)",
     "fresh-read": "fresh-read.c: the files' bytes O_DIRECT into fresh memory, no tensors (not a loader)",
     "safetensors": "safetensors.torch.load_file",
+    "safetensors09": "safetensors.torch.load_file, safetensors 0.9",
     "runai": "runai SafetensorsStreamer",
     "fastsafetensors": "fastsafetensors nogds",
 }
@@ -62,7 +63,7 @@ def over_baseline(v):
     return v["peak_rss_bytes"] - v.get("rss_start_bytes", 0)
 
 
-PEERS = ("safetensors", "runai", "fastsafetensors")
+PEERS = ("safetensors", "safetensors09", "runai", "fastsafetensors")
 
 
 def round_pairs(by_round, round_fio):
@@ -115,6 +116,44 @@ def round_pairs(by_round, round_fio):
     return out
 
 
+def judge(per, pairs):
+    """Issue 38's targets for one drive kind, from the arms' medians and
+    the per-round ratios: the command's load at 0.95 or more of the bare
+    read into fresh memory, ahead of every peer, at most 0.3 CPU s/GB and
+    1.05x the model's RSS; the Python load's CPU per GB at most half the
+    best peer's and at most the bare read's plus 0.05 s/GB."""
+    out = []
+
+    def add(target, measured, met):
+        out.append({"target": target, "measured": measured, "met": bool(met)})
+
+    ws, py, bare = per.get("weightstream", {}), per.get("ws-py-load", {}), per.get("fresh-read", {})
+    if ws.get("runs"):
+        x = ws.get("x_round_bare_read")
+        if x is not None:
+            add("weightstream load >= 0.95 x the bare read", f"{x:.3f}", x >= 0.95)
+        for peer in PEERS:
+            v = pairs.get(f"weightstream load / {peer}")
+            if v:
+                add(f"weightstream load ahead of {peer}", f"{v['median']:.2f}x ({v['above_one']}/{v['rounds']} rounds)", v["median"] > 1.0)
+        add("weightstream load CPU <= 0.3 s/GB", f"{ws['cpu_seconds_per_gb']:.3f}", ws["cpu_seconds_per_gb"] <= 0.3)
+        add("weightstream load peak RSS <= 1.05 x model", f"{ws['peak_rss_over_baseline_per_model']:.3f}", ws["peak_rss_over_baseline_per_model"] <= 1.05)
+    if py.get("runs"):
+        x = py.get("x_round_bare_read")
+        if x is not None:
+            add("weightstream.load (Python) against the bare read (no target; for the record)", f"{x:.3f}", True)
+        peer_cpu = [per[p]["cpu_seconds_per_gb"] for p in PEERS if per.get(p, {}).get("runs")]
+        if peer_cpu:
+            best = min(peer_cpu)
+            add("weightstream.load (Python) CPU <= 0.5 x the best peer's", f"{py['cpu_seconds_per_gb']:.3f} s/GB against {best:.3f} ({py['cpu_seconds_per_gb'] / best:.2f}x)",
+                py["cpu_seconds_per_gb"] <= 0.5 * best)
+        if bare.get("runs"):
+            lim = bare["cpu_seconds_per_gb"] + 0.05
+            add("weightstream.load (Python) CPU <= the bare read's + 0.05 s/GB", f"{py['cpu_seconds_per_gb']:.3f} s/GB against {lim:.3f}",
+                py["cpu_seconds_per_gb"] <= lim)
+    return out
+
+
 def fmt(x, spec=".3f"):
     return "n/a" if x is None else format(x, spec)
 
@@ -126,7 +165,7 @@ def main():
     meta = load(f"{out}/meta.json") if os.path.exists(f"{out}/meta.json") else {}
     cpus = int(meta.get("cpus") or os.cpu_count() or 1)
     ws = sys.argv[2] if len(sys.argv) > 2 else meta.get("weightstream")
-    runs_re = re.compile(r"^([a-z0-9]+)-([a-z]+(?:-[a-z]+)?)-([1-9][0-9]*)\.json$")
+    runs_re = re.compile(r"^([a-z0-9]+)-([a-z0-9-]+)-([1-9][0-9]*)\.json$")
     found = [m.groups() for m in (runs_re.match(os.path.basename(p)) for p in glob.glob(f"{out}/*.json")) if m]
     kinds = meta.get("kinds") or sorted({k for k, a, _ in found if a != "ceiling"})
     arms = meta.get("arms") or [a for a in ARMS if any(x == a for _, x, _ in found)]
@@ -137,10 +176,11 @@ def main():
 
     summary = {"meta": meta, "kinds": {}}
     lines = [
-        "| drive | arm | GB/s (median) | min-max GB/s | runs ok | x fio, same round | x load ceiling, same round (min-max) | x fio best of sweeps | x load ceiling of sweeps | CPU s/GB | machine busy CPU s/GB | peak RSS over start / model |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| drive | arm | GB/s (median) | min-max GB/s | runs ok | x bare read, same round (min-max) | x fio, same round | x load ceiling, same round (min-max) | x fio best of sweeps | x load ceiling of sweeps | CPU s/GB | machine busy CPU s/GB | peak RSS over start / model |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     notes = []
+    target_lines = []
     pair_lines = [
         "| drive | per-round ratio | median | min-max | rounds above 1 |",
         "|---|---|---|---|---|",
@@ -174,7 +214,7 @@ def main():
             failed = sum(1 for f in failures if f[:2] == [kind, arm] and len(f) > 2 and f[2].isdigit())
             if not rs:
                 per[arm] = {"runs": 0, "failed": failed}
-                lines.append(f"| {kind} | {WHAT.get(arm, arm)} | failed | | 0/{rounds} | | | | | | | |")
+                lines.append(f"| {kind} | {WHAT.get(arm, arm)} | failed | | 0/{rounds} | | | | | | | | |")
                 continue
             med = lambda f: statistics.median(f(v) for v in rs)
             gb = [v["gbps"] for v in rs]
@@ -212,6 +252,13 @@ def main():
                 p["x_round_fio"] = statistics.median(g / round_fio[r] for g, r in pairs)
                 p["x_round_ceiling"] = statistics.median(g / round_ceiling[r] for g, r in pairs)
                 p["x_round_ceiling_min_max"] = [min(g / round_ceiling[r] for g, r in pairs), max(g / round_ceiling[r] for g, r in pairs)]
+            # The bare O_DIRECT read into fresh memory of the same round
+            # (benches/peers/fresh_read.c, the sweep's best configuration).
+            fresh = {r: v["gbps"] for r, v in by_round.get("fresh-read", {}).items()}
+            xs = [v["gbps"] / fresh[r] for v, r in zip(rs, rs_round) if r in fresh]
+            if xs and arm != "fresh-read":
+                p["x_round_bare_read"] = statistics.median(xs)
+                p["x_round_bare_read_min_max"] = [min(xs), max(xs)]
             cfg = next((v.get("config") for v in rs if v.get("config")), None)
             if cfg:
                 p["config"] = cfg
@@ -233,20 +280,20 @@ def main():
                 notes.append(f"{kind}: {arm} ({p['gbps']:.3f} GB/s) beats fio's best ({fio_gbps:.3f}): fio's sweep missed the drive's best")
             lines.append(
                 f"| {kind} | {WHAT.get(arm, arm)} | {p['gbps']:.3f} | {p['gbps_min']:.2f}-{p['gbps_max']:.2f} | "
-                f"{p['runs']}/{rounds} | {fmt(p.get('x_round_fio'), '.2f')} | "
+                f"{p['runs']}/{rounds} | {fmt(p.get('x_round_bare_read'), '.2f')} ({'-'.join(fmt(x, '.2f') for x in p.get('x_round_bare_read_min_max', [None, None]))}) | {fmt(p.get('x_round_fio'), '.2f')} | "
                 f"{fmt(p.get('x_round_ceiling'), '.2f')} ({'-'.join(fmt(x, '.2f') for x in p.get('x_round_ceiling_min_max', [None, None]))}) | "
                 f"{fmt(p['x_fio_best'], '.2f')} | {fmt(p['x_load_ceiling'], '.2f')} | "
                 f"{p['cpu_seconds_per_gb']:.3f} | {fmt(p['busy_cpu_seconds_per_gb'])} | {p['peak_rss_over_baseline_per_model']:.3f} |"
             )
         if fio:
             label = fio.get("best_label", "")
-            lines.append(f"| {kind} | fio best (load-ceiling's sweep, before and after{': ' + label if label else ''}) | {fio_gbps:.3f} | | | | | 1.00 | {fmt(fio_gbps / ceiling_gbps if ceiling_gbps else None, '.2f')} | | {fmt(fio.get('busy_cpu_seconds') / (best['bytes'] / 1e9) if fio.get('busy_cpu_seconds') is not None else None)} | |")
+            lines.append(f"| {kind} | fio best (load-ceiling's sweep, before and after{': ' + label if label else ''}) | {fio_gbps:.3f} | | | | | | 1.00 | {fmt(fio_gbps / ceiling_gbps if ceiling_gbps else None, '.2f')} | | {fmt(fio.get('busy_cpu_seconds') / (best['bytes'] / 1e9) if fio.get('busy_cpu_seconds') is not None else None)} | |")
         if round_ceiling:
             rc, rf = list(round_ceiling.values()), list(round_fio.values())
-            lines.append(f"| {kind} | fio, that configuration, each round | {statistics.median(rf):.3f} | {min(rf):.2f}-{max(rf):.2f} | {len(rf)}/{rounds} | 1.00 | | | | | | |")
-            lines.append(f"| {kind} | load ceiling, each round | {statistics.median(rc):.3f} | {min(rc):.2f}-{max(rc):.2f} | {len(rc)}/{rounds} | | 1.00 | | | | | |")
+            lines.append(f"| {kind} | fio, that configuration, each round | {statistics.median(rf):.3f} | {min(rf):.2f}-{max(rf):.2f} | {len(rf)}/{rounds} | | 1.00 | | | | | | |")
+            lines.append(f"| {kind} | load ceiling, each round | {statistics.median(rc):.3f} | {min(rc):.2f}-{max(rc):.2f} | {len(rc)}/{rounds} | | | 1.00 | | | | | |")
         if best:
-            lines.append(f"| {kind} | load ceiling of the sweeps ({best['bound']} bound; better of before and after) | {ceiling_gbps:.3f} | {min(v['gbps'] for v in ceilings):.2f}-{max(v['gbps'] for v in ceilings):.2f} | {len(ceilings)}/2 | | | {fmt(ceiling_gbps / fio_gbps if fio_gbps else None, '.2f')} | 1.00 | | | |")
+            lines.append(f"| {kind} | load ceiling of the sweeps ({best['bound']} bound; better of before and after) | {ceiling_gbps:.3f} | {min(v['gbps'] for v in ceilings):.2f}-{max(v['gbps'] for v in ceilings):.2f} | {len(ceilings)}/2 | | | | {fmt(ceiling_gbps / fio_gbps if fio_gbps else None, '.2f')} | 1.00 | | | |")
         else:
             notes.append(f"{kind}: no load-ceiling run succeeded: no ratios to fio or to the ceiling.")
         stolen = {a: p for a, p in per.items() if p.get("steal_share") is not None}
@@ -263,7 +310,11 @@ def main():
             pair_lines.append(
                 f"| {kind} | {label} | {v['median']:.3f} | {v['min']:.2f}-{v['max']:.2f} | {v['above_one']}/{v['rounds']} |"
             )
+        targets = judge(per, pairs)
+        for t in targets:
+            target_lines.append(f"| {kind} | {t['target']} | {t['measured']} | {'met' if t['met'] else '**not met**'} |")
         summary["kinds"][kind] = {
+            "targets": targets,
             "round_pairs": pairs,
             "round_load_ceiling_gbps": round_ceiling,
             "round_fio_gbps": round_fio,
@@ -292,6 +343,9 @@ def main():
     for f in failures:
         notes.append("failed: " + " ".join(f))
     text = "\n".join(lines) + "\n"
+    if target_lines:
+        text += "\nTargets (issue 38; ratios are medians of per-round ratios):\n\n"
+        text += "| drive | target | measured | |\n|---|---|---|---|\n" + "\n".join(target_lines) + "\n"
     if len(pair_lines) > 2:
         text += "\nRatios of two arms in the same round (medians over the rounds where both ran):\n\n"
         text += "\n".join(pair_lines) + "\n"

@@ -36,17 +36,26 @@
 #                         after the cold step, as each round's fio is;
 #                         judged against fio's best
 #        fresh-read       benches/peers/fresh_read.c: the shards' bytes read
-#                         O_DIRECT (8 threads, 4 MiB preads) into one fresh
-#                         mapping on huge pages, no tensors: the least a
-#                         loader can do, what this machine gives a read into
-#                         fresh memory (fio's buffers are few and reused)
+#                         O_DIRECT with preads into one fresh mapping on
+#                         huge pages, no tensors: the least a loader can do,
+#                         what this machine gives a read into fresh memory
+#                         (fio's buffers are few and reused). Its threads
+#                         and block size are the best of a sweep run once
+#                         per kind before the rounds (FRESH_SWEEP, default
+#                         "2x1M 4x1M 8x1M 2x4M 4x4M 8x4M", each cold;
+#                         KIND-freshsweep.json); every other arm's ratio to
+#                         it, per round, is the table's first figure
 #        safetensors      arm.py safetensors: safetensors.torch.load_file per shard
+#        safetensors09    the same with safetensors 0.9 (its own venv,
+#                         benches/peers/venv-st09.sh: SAFETENSORS_09)
 #        runai            arm.py runai: runai_model_streamer.SafetensorsStreamer,
 #                         its defaults
 #        fastsafetensors  arm.py fastsafetensors: SafeTensorsFileLoader, nogds=True
-#        ws-py-load, ws-py-safeopen  (in ARMS only) the Python module's load
-#                         and its safe_open + get_tensor (arm.py), the
-#                         module built from this tree into the venv
+#        ws-py-load       the Python module's load (arm.py), the module
+#                         built from this tree into the venv
+#        ws-py-safeopen   (in ARMS only) the module's safe_open +
+#                         get_tensor; weightstream-reused and
+#                         weightstream-faulted above are in ARMS only too
 #      each run's JSON in OUT/KIND-ARM-ROUND.json (its stderr beside it in
 #      .err when there is any). An arm that fails is recorded (OUT/failures.txt,
 #      its stderr kept) and the run goes on. In an arm's first successful
@@ -88,7 +97,7 @@ size=${SIZE:-1.91e9}
 arm_timeout=${ARM_TIMEOUT:-900}
 out=${1:-docs/benchmarks/$(date +%F)-peers}
 # ARMS: a subset of the arms, space separated (default all of them).
-read -r -a arms <<< "${ARMS:-weightstream weightstream-faulted fresh-read safetensors runai fastsafetensors}"
+read -r -a arms <<< "${ARMS:-weightstream fresh-read safetensors safetensors09 runai fastsafetensors ws-py-load}"
 # WS_BEFORE_BIN: another build's `weightstream load` as one more arm (a
 # before/after in the same interleaved run).
 [ -z "${WS_BEFORE_BIN:-}" ] || arms+=(weightstream-before)
@@ -102,6 +111,8 @@ else
 fi
 "$ws" load-ceiling --help >/dev/null 2>&1 || { echo "peers: $ws has no load-ceiling command" >&2; exit 1; }
 py=$(benches/peers/venv.sh)
+py09=
+[[ " ${arms[*]} " != *" safetensors09 "* ]] || py09=$(benches/peers/venv-st09.sh)
 # The Python module's arms (ws-py-load, ws-py-safeopen) run this tree's
 # module: built and installed into the venv (the workspace's target folder,
 # release, as the command's arm).
@@ -120,10 +131,8 @@ export SIMDRIVES_BASE=/tmp/ws-peers-bench SIMDRIVES_CGROUP=ws-peers-bench
 . benches/machine.sh
 machine_save
 drives_down() {
-    # Only drives under our base: given a base with no drives, simdrives
-    # falls back to the base in /tmp/.simdrives_base, someone else's.
-    [ -f "$SIMDRIVES_BASE/drives" ] && "$simdrives" down >/dev/null 2>&1
-    return 0
+    # simdrives keeps to the base we name: another run's drives stay.
+    "$simdrives" down >/dev/null 2>&1 || true
 }
 cleanup() {
     drives_down
@@ -178,7 +187,8 @@ run_arm() {
         weightstream-reused) cmd=("$ws" load "$dir" --json --memory reused ${digest:+--digest}) ;;
         weightstream-faulted) cmd=("$ws" load "$dir" --json --memory faulted ${digest:+--digest}) ;;
         weightstream-before) cmd=("$WS_BEFORE_BIN" load "$dir" --json ${digest:+--digest}) ;;
-        fresh-read) cmd=("$fresh_read" 8 1 "${shards[@]}") ;;
+        fresh-read) cmd=("$fresh_read" -b "$fresh_block" "$fresh_threads" 1 "${shards[@]}") ;;
+        safetensors09) cmd=("$py09" benches/peers/arm.py "$arm" "$dir" ${digest:+--digest "$digest"}) ;;
         *) cmd=("$py" benches/peers/arm.py "$arm" "$dir" ${digest:+--digest "$digest"}) ;;
     esac
     cold
@@ -240,6 +250,25 @@ for kind in $kinds; do
     # is biased up, a median of interleaved runs is not.
     best=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["fio"]["best_label"])' "$out/$kind-ceiling-0.json" 2>/dev/null || true)
     mapfile -t shards < <(ls "$dir"/*.safetensors)
+    # The bare read's configuration: the best of a small sweep, each cold.
+    fresh_threads=8 fresh_block=$((4 << 20))
+    if [[ " ${arms[*]} " == *" fresh-read "* ]]; then
+        best_gbps=0
+        : > "$out/$kind-freshsweep.json"
+        for cfg in ${FRESH_SWEEP:-2x1M 4x1M 8x1M 2x4M 4x4M 8x4M}; do
+            t=${cfg%x*} b=${cfg#*x}
+            b=$(( ${b%M} << 20 ))
+            cold
+            v=$("$fresh_read" -b "$b" "$t" 1 "${shards[@]}")
+            echo "$v" >> "$out/$kind-freshsweep.json"
+            g=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["gbps"])' "$v")
+            echo "  bare read sweep: $t threads x $((b >> 20)) MiB: $g GB/s"
+            if python3 -c 'import sys; sys.exit(0 if float(sys.argv[1]) > float(sys.argv[2]) else 1)' "$g" "$best_gbps"; then
+                best_gbps=$g fresh_threads=$t fresh_block=$b
+            fi
+        done
+        echo "  bare read: $fresh_threads threads x $((fresh_block >> 20)) MiB in every round"
+    fi
     declare -A verified=([fresh-read]=none)  # files' bytes, not tensors: nothing to hash
     for r in $(seq 1 "$rounds"); do
         k=$(( (r - 1) % ${#arms[@]} ))

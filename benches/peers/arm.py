@@ -9,6 +9,8 @@ ARM:
                     result kept in one dict (its default backend maps each
                     file; the tensors are views of the mapping, so they are
                     in memory only once the touch below has faulted them in)
+  safetensors09     the same, run in a venv whose safetensors is 0.9
+                    (benches/peers/venv-st09.sh; refused with another)
   runai             runai_model_streamer.SafetensorsStreamer() with its
                     defaults (kept open until the clock stops):
                     stream_files(shards), every (name, tensor) of
@@ -72,7 +74,7 @@ import time
 from importlib.metadata import PackageNotFoundError, version
 
 PAGE = 4096
-ARMS = ("safetensors", "runai", "fastsafetensors", "ws-py-load", "ws-py-safeopen", "digest-reference")
+ARMS = ("safetensors", "safetensors09", "runai", "fastsafetensors", "ws-py-load", "ws-py-safeopen", "digest-reference")
 
 
 def shard_list(model_dir):
@@ -226,9 +228,11 @@ def main():
 
     copied = False  # whether this script copies the tensors the loader gives it
 
-    if a.arm == "safetensors":
+    if a.arm in ("safetensors", "safetensors09"):
         from safetensors.torch import load_file
         pkg = "safetensors"
+        if a.arm == "safetensors09" and not pkg_version(pkg).startswith("0.9"):
+            sys.exit(f"arm.py: safetensors09 runs safetensors 0.9, this python has {pkg_version(pkg)}")
     elif a.arm == "runai":
         import inspect
 
@@ -268,7 +272,7 @@ def main():
                     if name in held:
                         sys.exit(f"arm.py: {name} is in more than one shard")
                     held[name] = f.get_tensor(name)
-    elif a.arm == "safetensors":
+    elif a.arm in ("safetensors", "safetensors09"):
         for shard in shards:
             for name, t in load_file(shard).items():
                 if name in held:
@@ -336,7 +340,7 @@ def main():
         config.update(copier=type(loader).__name__ + "/" + loader.copier_class.__name__,
                       max_threads=16, bbuf_size_kb=16 * 1024,
                       o_direct=is_odirect_enabled(shards[0], buffered_ram_fs=True))
-    elif a.arm == "safetensors":
+    elif a.arm in ("safetensors", "safetensors09"):
         config["backend"] = "mmap"
 
     if a.digest:

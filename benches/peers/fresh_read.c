@@ -1,13 +1,20 @@
 /* The least a loader can do: read files O_DIRECT into one fresh anonymous
  * mapping (transparent huge pages, faulted by the reads themselves), with
- * THREADS threads each reading 4 MiB blocks with pread, then PASSES - 1
- * more times into the same, now written, memory. No tensors, no header:
- * the files' bytes land back to back. It stands beside the loaders in
- * benches/peers.sh to say what this machine gives a read into fresh memory,
- * which fio (its buffers are a few, reused) does not measure.
+ * THREADS threads each reading blocks of BLOCK bytes (default 4 MiB) with
+ * pread, then PASSES - 1 more times into the same, now written, memory. No
+ * tensors, no header: the files' bytes land back to back. It stands beside
+ * the loaders in benches/peers.sh to say what this machine gives a read
+ * into fresh memory, which fio (its buffers are a few, reused) does not
+ * measure.
  *
  *   cc -O2 -pthread -o fresh_read fresh_read.c
- *   fresh_read THREADS PASSES FILE...     -> one JSON object on stdout
+ *   fresh_read [-b BLOCK] [-m COPIES] THREADS PASSES FILE...
+ *                                          -> one JSON object on stdout
+ *
+ * -m COPIES: the FILE list is COPIES copies of the same files, one copy
+ * after the other (the files of a model mirrored on COPIES drives); block
+ * i of a file is read from copy i % COPIES, so every drive reads its share
+ * at once, and the memory holds one copy.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -23,11 +30,13 @@
 #include <time.h>
 #include <unistd.h>
 
-#define BS (4L << 20)
 #define HUGE (2L << 20)
 #define MAX_FILES 256
+#define MAX_COPIES 8
 
-static int fds[MAX_FILES];
+static long BS = 4L << 20;
+static int copies = 1;
+static int fds[MAX_COPIES][MAX_FILES];
 static long sizes[MAX_FILES], starts[MAX_FILES];
 static int nfiles;
 static long total;
@@ -50,7 +59,8 @@ static double cpu_seconds(void) {
 static void *worker(void *arg) {
     (void)arg;
     for (;;) {
-        long off = atomic_fetch_add(&next_block, 1) * BS;
+        long block = atomic_fetch_add(&next_block, 1);
+        long off = block * BS;
         if (off >= total)
             return NULL;
         int f = 0;
@@ -63,7 +73,7 @@ static void *worker(void *arg) {
         if (n <= 0)
             continue;
         long want = (n + 4095) & ~4095L;
-        ssize_t got = pread(fds[f], buf + off, want, at);
+        ssize_t got = pread(fds[block % copies][f], buf + off, want, at);
         if (got < 0) {
             fprintf(stderr, "fresh_read: pread: %s\n", strerror(errno));
             exit(1);
@@ -73,26 +83,48 @@ static void *worker(void *arg) {
 }
 
 int main(int argc, char **argv) {
+    int opt;
+    while ((opt = getopt(argc, argv, "+b:m:")) != -1) {
+        if (opt == 'b')
+            BS = atol(optarg);
+        else if (opt == 'm')
+            copies = atoi(optarg);
+        else
+            return 2;
+    }
+    argc -= optind - 1;
+    argv += optind - 1;
     if (argc < 4) {
-        fprintf(stderr, "usage: fresh_read THREADS PASSES FILE...\n");
+        fprintf(stderr, "usage: fresh_read [-b BLOCK] [-m COPIES] THREADS PASSES FILE...\n");
         return 2;
     }
     int threads = atoi(argv[1]), passes = atoi(argv[2]);
-    nfiles = argc - 3;
-    if (threads < 1 || threads > 64 || passes < 1 || nfiles > MAX_FILES) {
-        fprintf(stderr, "fresh_read: 1-64 threads, 1 or more passes, at most %d files\n", MAX_FILES);
+    int names = argc - 3;
+    if (threads < 1 || threads > 64 || passes < 1 || copies < 1 || copies > MAX_COPIES || names % copies ||
+        names / copies > MAX_FILES || BS < 4096 || BS % 4096) {
+        fprintf(stderr, "fresh_read: 1-64 threads, 1 or more passes, 1-%d copies of at most %d files each, "
+                        "a block of whole 4 KiB pages\n", MAX_COPIES, MAX_FILES);
         return 2;
     }
-    for (int i = 0; i < nfiles; i++) {
-        fds[i] = open(argv[i + 3], O_RDONLY | O_DIRECT);
-        struct stat st;
-        if (fds[i] < 0 || fstat(fds[i], &st) < 0) {
-            fprintf(stderr, "fresh_read: %s: %s\n", argv[i + 3], strerror(errno));
-            return 1;
+    nfiles = names / copies;
+    for (int c = 0; c < copies; c++) {
+        for (int i = 0; i < nfiles; i++) {
+            const char *name = argv[3 + c * nfiles + i];
+            fds[c][i] = open(name, O_RDONLY | O_DIRECT);
+            struct stat st;
+            if (fds[c][i] < 0 || fstat(fds[c][i], &st) < 0) {
+                fprintf(stderr, "fresh_read: %s: %s\n", name, strerror(errno));
+                return 1;
+            }
+            if (c == 0) {
+                sizes[i] = st.st_size;
+                starts[i] = total;
+                total += (st.st_size + BS - 1) / BS * BS; /* each file starts a block */
+            } else if (st.st_size != sizes[i]) {
+                fprintf(stderr, "fresh_read: %s: not the size of %s\n", name, argv[3 + i]);
+                return 1;
+            }
         }
-        sizes[i] = st.st_size;
-        starts[i] = total;
-        total += (st.st_size + BS - 1) / BS * BS; /* each file starts a block */
     }
     char *raw = mmap(NULL, total + HUGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (raw == MAP_FAILED) {
@@ -130,10 +162,10 @@ int main(int argc, char **argv) {
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);
     /* The first pass is the figure: a read into fresh memory. */
-    printf("{\"arm\": \"fresh-read\", \"threads\": %d, \"block\": %ld, \"bytes\": %ld, \"seconds\": %.6f, "
+    printf("{\"arm\": \"fresh-read\", \"threads\": %d, \"block\": %ld, \"copies\": %d, \"bytes\": %ld, \"seconds\": %.6f, "
            "\"gbps\": %.4f, \"cpu_seconds\": %.4f, \"cpu_seconds_per_gb\": %.4f, \"peak_rss_bytes\": %ld, "
            "\"rss_start_bytes\": %ld, \"passes\": [%s]}\n",
-           threads, BS, first_b, first_s, first_b / first_s / 1e9, first_cpu, first_cpu / (first_b / 1e9),
+           threads, BS, copies, first_b, first_s, first_b / first_s / 1e9, first_cpu, first_cpu / (first_b / 1e9),
            ru.ru_maxrss * 1024L, ru0.ru_maxrss * 1024L, passes_json);
     return 0;
 }
