@@ -19,6 +19,12 @@ machine lets us drop it:
                    model.load_state_dict (copies to the device)
     st-load-lsd    safetensors load_file(shard, device=DEVICE) per shard,
                    then model.load_state_dict
+    st09-prefetch  safetensors 0.9's prefetch engine: safe_open(shard).
+                   prefetch(device=DEVICE) for every shard at once (8
+                   pread threads each, 16 MiB pinned slabs, copies on a
+                   stream), every tensor taken, then model.load_state_dict
+                   (a device-to-device copy); skipped, and said so, with
+                   safetensors before 0.9 or on the CPU (it refuses it)
     ws-load        weightstream.load(dir) alone, host memory (the read
                    rate of the module on this drive)
 
@@ -168,6 +174,19 @@ def one(torch, name, model, d, n, device):
         sync(torch, device)
         secs = time.perf_counter() - t0
         del sd
+    elif name == "st09-prefetch":
+        from safetensors import safe_open
+
+        loaders = [safe_open(os.path.join(d, f), framework="pt").prefetch(device=str(device), threads=8)
+                   for f in sorted(os.listdir(d)) if f.endswith(".safetensors")]
+        sd = {}
+        for ld in loaders:
+            sd.update(dict(ld))
+            ld.close()
+        model.load_state_dict(sd, strict=True)
+        sync(torch, device)
+        secs = time.perf_counter() - t0
+        del sd, loaders
     elif name == "ws-load":
         sd = weightstream.load(d)
         secs = time.perf_counter() - t0
@@ -189,13 +208,24 @@ def run(args):
     model = build(torch, d, device)
     ref = reference(torch, d, device)
     arms = args.arms.split(",")
+    skipped = {}
+    if "st09-prefetch" in arms:
+        from importlib.metadata import version
+
+        v = version("safetensors")
+        if not v.startswith("0.9") or device.type != "cuda":
+            skipped["st09-prefetch"] = f"safetensors {v} on {device.type}: its prefetch engine needs 0.9 and a CUDA device"
+            arms.remove("st09-prefetch")
+            print(f"skipped st09-prefetch: {skipped['st09-prefetch']}", flush=True)
     rounds = []
     result = {
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "bytes": n,
         "cold_cache": cold,
-        "versions": {"torch": torch.__version__, "weightstream": weightstream.__version__, "python": sys.version.split()[0]},
+        "versions": {"torch": torch.__version__, "weightstream": weightstream.__version__, "python": sys.version.split()[0],
+                     "safetensors": __import__("importlib.metadata").metadata.version("safetensors")},
+        "skipped": skipped,
         "rounds": rounds,
     }
     for r in range(args.rounds):
@@ -205,7 +235,7 @@ def run(args):
                 can_drop_caches()
             got = one(torch, name, model, d, n, device)
             got["round"] = r + 1
-            if name in ("load-into", "ws-load-lsd", "st-load-lsd"):
+            if name in ("load-into", "ws-load-lsd", "st-load-lsd", "st09-prefetch"):
                 got["equal"], got["differs"] = equal(torch, model, ref)
                 zero(torch, model, device)
             rounds.append(got)
@@ -226,6 +256,8 @@ def run(args):
         result["load_into_over_h2d"] = med["load-into"] / med["h2d"]
     if "ws-load" in med and "load-into" in med:
         result["load_into_over_ws_load"] = med["load-into"] / med["ws-load"]
+    if "st09-prefetch" in med and "load-into" in med:
+        result["load_into_over_st09_prefetch"] = med["load-into"] / med["st09-prefetch"]
     result["all_equal"] = all(x.get("equal", True) for x in rounds)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
@@ -242,7 +274,7 @@ def main():
     p.add_argument("out")
     p.add_argument("--device", default="cuda")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--arms", default="h2d,load-into,ws-load-lsd,st-load-lsd,ws-load")
+    p.add_argument("--arms", default="h2d,load-into,ws-load-lsd,st-load-lsd,st09-prefetch,ws-load")
     return run(p.parse_args())
 
 

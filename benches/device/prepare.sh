@@ -7,7 +7,7 @@
 #
 # Puts into .device/ (ignored by git through .git/info/exclude; carry it):
 # - the weightstream wheel (abi3: any CPython 3.9 or later), built from
-#   this tree;
+#   this tree, and safetensors 0.9's wheel (abi3) from the package index;
 # - lib/: the shared libraries the wheel links beyond glibc (hwloc, udev);
 # - fio: fio built from the distribution's source, static, with only the
 #   engines the ceiling uses (io_uring, psync), so that it runs there.
@@ -32,6 +32,12 @@ ldd "$tmp/$so" | awk '/=>/ {print $1, $3}' | while read -r name path; do
     *) cp -L "$path" .device/lib/ ;;
     esac
 done
+
+# safetensors 0.9 (its prefetch engine: pread into pinned slabs, copies on
+# a stream) for the arm st09-prefetch; that machine has 0.8.
+ls .device/safetensors-0.9*.whl >/dev/null 2>&1 ||
+    "$py" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_17_x86_64 -d .device "safetensors==${SAFETENSORS_09:-0.9.0rc1}"
 
 if [ ! -x .device/fio ]; then
     src=$tmp/src

@@ -15,7 +15,8 @@
 #    registered buffers, force_async) over a small sweep of block size x
 #    queue depth, cold cache, the best kept (fio.json, fio-ceiling.txt);
 # 4. ROUNDS rounds (default 3) of gpu_load_into.py run on cuda:
-#    h2d, load-into, ws-load-lsd, st-load-lsd, ws-load (device.json);
+#    h2d, load-into, ws-load-lsd, st-load-lsd, st09-prefetch, ws-load
+#    (device.json);
 # 5. the machine as seen (machine.txt: nvidia-smi, lscpu, the mounts, the
 #    kernel), and the log (log.txt).
 # Record the files in docs/benchmarks/<date>-device/ with a README (the
@@ -48,15 +49,17 @@ head -5 "$out/machine.txt"
 
 echo "== wheel"
 if ls .device/weightstream-*.whl >/dev/null 2>&1; then
-    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .device/weightstream-*.whl || exit 1
+    # With safetensors 0.9 beside it (its prefetch engine is an arm; its
+    # load_file reads as 0.8's).
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .device/*.whl || exit 1
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
     # The libraries the extension links beyond glibc (hwloc, udev).
     export LD_LIBRARY_PATH=$root/.device/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 fi
-"$py" -c 'import weightstream, torch; print("weightstream", weightstream.__version__, "torch", torch.__version__, "cuda", torch.cuda.is_available())' || exit 1
+"$py" -c 'import weightstream, torch, safetensors; print("weightstream", weightstream.__version__, "torch", torch.__version__, "safetensors", safetensors.__version__, "cuda", torch.cuda.is_available())' || exit 1
 
 echo "== checkpoint ($size bytes) in $dir"
-if [ ! -f "$dir/model.safetensors.index.json" ]; then
+if [ ! -f "$dir/config.json" ] || ! ls "$dir"/*.safetensors >/dev/null 2>&1; then
     rm -rf "$dir"
     "$py" benches/device/gpu_load_into.py write "$dir" "$size" || exit 1
 fi
