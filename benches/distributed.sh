@@ -8,11 +8,14 @@
 # Usage (root): benches/distributed.sh [OUT_DIR]
 # Environment: ROUNDS (default 3), MBPS (per rank, default 200), SIZE
 # (model bytes, default 0.8e9), WORLDS (default "1 2 4"), KIND (memloop),
-# ARMS (default "ws-dist ws-each runai-dist gloo-floor"), WS_PEERS_VENV.
+# ARMS (default "ws-dist ws-share gloo-floor ws-each runai-dist"), WS_PEERS_VENV.
 #
-# Per round, cold cache, interleaved: ws-dist and gloo-floor (the exchange
-# alone, no reads) with each world size; ws-each and runai-dist with the
-# largest. Each run's time is its ranks' (a barrier
+# Per round, cold cache, interleaved: ws-dist, ws-share (each rank reads
+# its share alone, no exchange) and gloo-floor (the exchange alone, no
+# reads) with each world size (the two floors from 2 ranks); ws-each and
+# runai-dist with the largest. The table judges ws-dist against the larger
+# of the two floors of its round (issue 38: at most 1.15x), and the
+# busiest rank's bytes against 1/N of the model plus its largest tensor. Each run's time is its ranks' (a barrier
 # before and after: the slowest rank, to a full state dict on every rank).
 # Writes OUT/runs.jsonl (one line per rank per run), OUT/table.md and
 # OUT/time.svg (median seconds per arm and world).
@@ -26,7 +29,7 @@ mbps=${MBPS:-200}
 size=${SIZE:-0.8e9}
 kind=${KIND:-memloop}
 read -r -a worlds <<< "${WORLDS:-1 2 4}"
-read -r -a arms <<< "${ARMS:-ws-dist ws-each runai-dist gloo-floor}"
+read -r -a arms <<< "${ARMS:-ws-dist ws-share gloo-floor ws-each runai-dist}"
 out=${1:-docs/benchmarks/$(date +%F)-distributed}
 if [ "$(id -u)" != 0 ]; then echo "distributed: SKIP: needs root (simdrives, cgroups, drop_caches)"; exit 0; fi
 [ -d /sys/fs/cgroup/blkio ] || { echo "distributed: needs the cgroup v1 blkio controller" >&2; exit 1; }
@@ -66,12 +69,14 @@ for r in $(seq 0 $((max - 1))); do
 done
 echo "== $kind drive $dev ($mm), model $(du -sh "$dir" | cut -f1), $mbps MB/s per rank"
 
-python3 - "$out/meta.json" <<PYEOF
+"$py" - "$out/meta.json" "$dir" <<PYEOF
 import json, os, subprocess, sys
+import weightstream
+sizes = [c[3] for c in weightstream._native.catalog(sys.argv[2])]
 sh = lambda *c: subprocess.run(c, capture_output=True, text=True).stdout.strip()
 json.dump({"date": sh("date", "-Is"), "kernel": os.uname().release, "cpus": os.cpu_count(),
            "git": sh("git", "-C", "$root", "rev-parse", "HEAD"), "kind": "$kind", "mbps_per_rank": $mbps,
-           "size": float("$size"), "rounds": $rounds, "worlds": "${worlds[*]}".split(), "arms": "${arms[*]}".split()},
+           "size": float("$size"), "model_bytes": sum(sizes), "largest_tensor_bytes": max(sizes), "rounds": $rounds, "worlds": "${worlds[*]}".split(), "arms": "${arms[*]}".split()},
           open(sys.argv[1], "w"), indent=1)
 PYEOF
 
@@ -91,7 +96,8 @@ run() { # arm world round
         return 0
     fi
     for k in $(seq 0 $((w - 1))); do
-        cat "$out/$arm-$w-$r-$k.json" >> "$out/runs.jsonl"; echo >> "$out/runs.jsonl"
+        python3 -c 'import json,sys; v=json.load(open(sys.argv[1])); v["round"]=int(sys.argv[2]); print(json.dumps(v))' \
+            "$out/$arm-$w-$r-$k.json" "$r" >> "$out/runs.jsonl"
         [ -s "$out/$arm-$w-$r-$k.err" ] || rm -f "$out/$arm-$w-$r-$k.err"
         rm -f "$out/$arm-$w-$r-$k.json"
     done
@@ -101,7 +107,7 @@ run() { # arm world round
 for r in $(seq 1 "$rounds"); do
     for arm in "${arms[@]}"; do
         case $arm in
-            ws-dist|gloo-floor) for w in "${worlds[@]}"; do [ "$arm" = gloo-floor ] && [ "$w" = 1 ] && continue; run "$arm" "$w" "$r"; done ;;
+            ws-dist|ws-share|gloo-floor) for w in "${worlds[@]}"; do [ "$arm" != ws-dist ] && [ "$w" = 1 ] && continue; run "$arm" "$w" "$r"; done ;;
             *) run "$arm" "$max" "$r" ;;
         esac
     done

@@ -14,6 +14,12 @@ Arms:
             is_distributed=True) over the same gloo group (RUNAI_STREAMER_DIST=1:
             its gloo mode), every tensor kept (cloned: its buffers are reused)
 
+  ws-share  no exchange: each rank reads only the tensors load_distributed
+            would give it (by bytes, largest first, each to the rank with
+            the fewest bytes so far) with weightstream.load(names=...), and
+            keeps them: one rank's read of its share at its cap, the other
+            floor under ws-dist
+
   gloo-floor  no reads: every tensor's bytes broadcast over the group from
             rank i % world (the exchange alone: the floor under ws-dist)
 
@@ -72,6 +78,22 @@ def main():
             s.stream_files(shards, is_distributed=True, device="cpu")
             for name, t in s.get_tensors():
                 sd[name] = t.clone()
+    elif arm == "ws-share":
+        import weightstream
+
+        os.environ["WEIGHTSTREAM_NODE"] = f"simulated-node-{rank}"
+        items = [(name, nbytes) for name, _dtype, _shape, nbytes, *_ in weightstream._native.catalog(model)]
+        load = [0] * world
+        mine = []
+        for name, nbytes in sorted(items, key=lambda x: (-x[1], x[0])):
+            r = min(range(world), key=lambda k: (load[k], k))
+            load[r] += nbytes
+            if r == rank:
+                mine.append(name)
+        sd = weightstream.load(model, names=mine, report=report) if mine else {}
+        if set(sd) != set(mine):
+            sys.exit(f"rank.py: ws-share read {len(sd)} tensors, its share is {len(mine)}")
+        report["bytes_read"] = sum(t.numel() * t.element_size() for t in sd.values())
     elif arm == "gloo-floor":
         # No reads: the exchange alone. Every tensor (its bytes, from the
         # catalog) broadcast from rank i % world, as load_distributed's
