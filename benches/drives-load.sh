@@ -88,7 +88,9 @@ for spec in $layouts; do
         done
         fr=(-m "$n")
     else
-        files=($(ls "${mnts[@]/%//$folder}"/*.safetensors))
+        for m in "${mnts[@]}"; do
+            files+=($(ls "$m/$folder"/*.safetensors 2>/dev/null || true))
+        done
         fr=()
     fi
     echo "== $name: $(du -shc "${mnts[@]/%//$folder}" | tail -1 | cut -f1) on ${mnts[*]} (${#files[@]} files)"

@@ -254,7 +254,11 @@ def main():
                 p["x_round_ceiling_min_max"] = [min(g / round_ceiling[r] for g, r in pairs), max(g / round_ceiling[r] for g, r in pairs)]
             # The bare O_DIRECT read into fresh memory of the same round
             # (benches/peers/fresh_read.c, the sweep's best configuration).
-            fresh = {r: v["gbps"] for r, v in by_round.get("fresh-read", {}).items()}
+            fresh = {}
+            p_fresh = f"{out}/{kind}-fresh-read-%d.json"
+            for r in range(1, rounds + 1):
+                if os.path.exists(p_fresh % r):
+                    fresh[r] = load(p_fresh % r)["gbps"]
             xs = [v["gbps"] / fresh[r] for v, r in zip(rs, rs_round) if r in fresh]
             if xs and arm != "fresh-read":
                 p["x_round_bare_read"] = statistics.median(xs)
