@@ -202,6 +202,9 @@ def run(args):
     import weightstream
 
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        # An explicit index: safetensors' prefetch takes cuda:N.
+        device = torch.device("cuda", torch.cuda.current_device())
     d = args.model
     n = arm.payload_bytes(d)
     cold = can_drop_caches()
