@@ -41,17 +41,9 @@ fresh_read=$(mktemp -d)/fresh_read
 cc -O2 -pthread -o "$fresh_read" benches/peers/fresh_read.c
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
-export SIMDRIVES_BASE=/tmp/ws-drives-load-bench SIMDRIVES_CGROUP=ws-drives-load-bench
 # shellcheck source=benches/machine.sh
 . benches/machine.sh
-machine_save
-cleanup() {
-    "$simdrives" down >/dev/null 2>&1 || true
-    machine_restore
-}
-trap cleanup EXIT
-cleanup
-machine_quiet
+machine_take ws-drives-load-bench
 
 src=/var/tmp/ws-drives-load-model-$size
 if [ ! -f "$src/model.safetensors.index.json" ]; then

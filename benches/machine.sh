@@ -6,6 +6,10 @@
 #                     ceiling's buffers), free page reporting off (order 11:
 #                     no free block that large) unless KEEP_PAGE_REPORTING=1
 #   machine_restore   both as machine_save found them
+#   machine_take NAME simulated drives under a base and cgroup of our own
+#                     (/tmp/NAME, NAME: another run's drives are left
+#                     alone), torn down and the machine restored at exit
+#                     (a trap on EXIT), then machine_quiet; needs $simdrives
 #   cold              sync; drop the page cache
 #
 # Free page reporting: a VM's guest tells its host which pages are free; the
@@ -35,4 +39,17 @@ machine_quiet() {
         echo 11 > "$reporting"
         echo "free page reporting off for the run (page_reporting_order $old_reporting -> 11; KEEP_PAGE_REPORTING=1 keeps it)"
     fi
+}
+
+machine_take() {
+    export SIMDRIVES_BASE=/tmp/$1 SIMDRIVES_CGROUP=$1
+    machine_save
+    trap machine_give_back EXIT
+    machine_give_back
+    machine_quiet
+}
+
+machine_give_back() {
+    "$simdrives" down >/dev/null 2>&1 || true
+    machine_restore
 }

@@ -43,17 +43,9 @@ rates=$(mktemp -d)/rates
 cc -O2 -pthread -o "$rates" benches/scaling/rates.c
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
-export SIMDRIVES_BASE=/tmp/ws-scaling-bench SIMDRIVES_CGROUP=ws-scaling-bench
 # shellcheck source=benches/machine.sh
 . benches/machine.sh
-machine_save
-cleanup() {
-    "$simdrives" down >/dev/null 2>&1 || true
-    machine_restore
-}
-trap cleanup EXIT
-cleanup
-machine_quiet
+machine_take ws-scaling-bench
 
 python3 - "$out/meta.json" <<EOF
 import json, os, subprocess, sys
