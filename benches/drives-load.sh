@@ -95,20 +95,7 @@ with open(sys.argv[2], "w") as f:
     f.writelines(f"{h}  {n}\n" for n, h in sorted(v["tensors_sha256"].items()))' "$out/$name-digest.json" "$out/$name.sha256"
     cmp -s "$out/$name.sha256" "$out/reference.sha256" || { echo "drives-load: $name: the tensors differ from the reference" >&2; exit 1; }
     echo "  every tensor's sha256 equals the reference's"
-    best=0 threads=8 block=$((4 << 20))
-    : > "$out/$name-freshsweep.json"
-    for cfg in ${FRESH_SWEEP:-2x1M 4x1M 8x1M 2x4M 4x4M 8x4M}; do
-        t=${cfg%x*} b=${cfg#*x}
-        b=$(( ${b%M} << 20 ))
-        cold
-        v=$("$fresh_read" "${fr[@]}" -b "$b" "$t" 1 "${files[@]}")
-        echo "$v" >> "$out/$name-freshsweep.json"
-        g=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["gbps"])' "$v")
-        echo "  bare read sweep: $t threads x $((b >> 20)) MiB: $g GB/s"
-        if python3 -c 'import sys; sys.exit(0 if float(sys.argv[1]) > float(sys.argv[2]) else 1)' "$g" "$best"; then
-            best=$g threads=$t block=$b
-        fi
-    done
+    bare_read_sweep "$out/$name-freshsweep.json" "$fresh_read" "${fr[@]}" -- "${files[@]}"
     for r in $(seq 1 "$rounds"); do
         order=(weightstream fresh-read)
         [ $((r % 2)) = 0 ] && order=(fresh-read weightstream)
@@ -117,7 +104,7 @@ with open(sys.argv[2], "w") as f:
             if [ "$arm" = weightstream ]; then
                 "$ws" load "$primary" --json > "$out/$name-$arm-$r.json"
             else
-                "$fresh_read" "${fr[@]}" -b "$block" "$threads" 1 "${files[@]}" > "$out/$name-$arm-$r.json"
+                "$fresh_read" "${fr[@]}" -b "$fresh_block" "$fresh_threads" 1 "${files[@]}" > "$out/$name-$arm-$r.json"
             fi
             echo "  round $r $arm $(gbps "$out/$name-$arm-$r.json") GB/s"
         done

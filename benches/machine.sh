@@ -11,6 +11,11 @@
 #                     alone), torn down and the machine restored at exit
 #                     (a trap on EXIT), then machine_quiet; needs $simdrives
 #   cold              sync; drop the page cache
+#   bare_read_sweep OUT FRESH_READ [ARGS...] [--] FILE...
+#                     the bare read's configuration (benches/peers/fresh_read.c):
+#                     each threads x block of FRESH_SWEEP (default "2x1M 4x1M
+#                     8x1M 2x4M 4x4M 8x4M") once, cold, every result a line of
+#                     OUT; the best left in $fresh_threads and $fresh_block
 #
 # Free page reporting: a VM's guest tells its host which pages are free; the
 # host drops them, and the next first touch of such a page is an EPT fault
@@ -52,4 +57,26 @@ machine_take() {
 machine_give_back() {
     "$simdrives" down >/dev/null 2>&1 || true
     machine_restore
+}
+
+bare_read_sweep() {
+    local out=$1 fr=$2 cfg t b v g best=0 opts=()
+    shift 2
+    while [ $# -gt 0 ] && [ "$1" != -- ]; do opts+=("$1"); shift; done
+    [ "${1:-}" = -- ] && shift
+    fresh_threads=8 fresh_block=$((4 << 20))
+    : > "$out"
+    for cfg in ${FRESH_SWEEP:-2x1M 4x1M 8x1M 2x4M 4x4M 8x4M}; do
+        t=${cfg%x*} b=${cfg#*x}
+        b=$(( ${b%M} << 20 ))
+        cold
+        v=$("$fr" "${opts[@]}" -b "$b" "$t" 1 "$@")
+        echo "$v" >> "$out"
+        g=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["gbps"])' "$v")
+        echo "  bare read sweep: $t threads x $((b >> 20)) MiB: $g GB/s"
+        if python3 -c 'import sys; sys.exit(0 if float(sys.argv[1]) > float(sys.argv[2]) else 1)' "$g" "$best"; then
+            best=$g fresh_threads=$t fresh_block=$b
+        fi
+    done
+    echo "  bare read: $fresh_threads threads x $((fresh_block >> 20)) MiB in every round"
 }

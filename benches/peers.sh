@@ -253,21 +253,7 @@ for kind in $kinds; do
     # The bare read's configuration: the best of a small sweep, each cold.
     fresh_threads=8 fresh_block=$((4 << 20))
     if [[ " ${arms[*]} " == *" fresh-read "* ]]; then
-        best_gbps=0
-        : > "$out/$kind-freshsweep.json"
-        for cfg in ${FRESH_SWEEP:-2x1M 4x1M 8x1M 2x4M 4x4M 8x4M}; do
-            t=${cfg%x*} b=${cfg#*x}
-            b=$(( ${b%M} << 20 ))
-            cold
-            v=$("$fresh_read" -b "$b" "$t" 1 "${shards[@]}")
-            echo "$v" >> "$out/$kind-freshsweep.json"
-            g=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["gbps"])' "$v")
-            echo "  bare read sweep: $t threads x $((b >> 20)) MiB: $g GB/s"
-            if python3 -c 'import sys; sys.exit(0 if float(sys.argv[1]) > float(sys.argv[2]) else 1)' "$g" "$best_gbps"; then
-                best_gbps=$g fresh_threads=$t fresh_block=$b
-            fi
-        done
-        echo "  bare read: $fresh_threads threads x $((fresh_block >> 20)) MiB in every round"
+        bare_read_sweep "$out/$kind-freshsweep.json" "$fresh_read" -- "${shards[@]}"
     fi
     declare -A verified=([fresh-read]=none)  # files' bytes, not tensors: nothing to hash
     for r in $(seq 1 "$rounds"); do
