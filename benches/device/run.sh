@@ -72,17 +72,26 @@ if [ -n "$fio" ]; then
     files=$(ls "$dir"/*.safetensors | paste -sd: -)
     best=0
     : > "$out/fio.json"
+    # One cold fio run: LABEL, then fio's own options; its GB/s raises $best.
+    fio_one() {
+        local label=$1 f=$out/fio-run
+        shift
+        sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null
+        if ! "$fio" --name=ceiling --filename="$files" --readonly --rw=read --direct=1 "$@" \
+            --output-format=json > "$f.json" 2> "$f.err"; then
+            echo "fio $label failed: $(tail -2 "$f.err")"
+            rm -f "$f".*
+            return 0
+        fi
+        gbps=$("$py" -c 'import json,sys; j=json.load(open(sys.argv[1])); print(j["jobs"][0]["read"]["bw_bytes"]/1e9)' "$f.json")
+        echo "fio $label: $gbps GB/s"
+        best=$("$py" -c "print(max($best, $gbps))")
+        cat "$f.json" >> "$out/fio.json"
+        rm -f "$f".*
+    }
     for bs in 1M 4M; do
         for qd in 8 32; do
-            sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null
-            "$fio" --name=ceiling --filename="$files" --readonly --rw=read --bs=$bs --iodepth=$qd \
-                --ioengine=io_uring --direct=1 --fixedbufs=1 --force_async=1 --numjobs=1 \
-                --output-format=json > "$out/fio-$bs-$qd.json" 2> "$out/fio-$bs-$qd.err" || { echo "fio $bs qd $qd failed: $(tail -2 "$out/fio-$bs-$qd.err")"; rm -f "$out/fio-$bs-$qd".*; continue; }
-            gbps=$("$py" -c 'import json,sys; j=json.load(open(sys.argv[1])); print(j["jobs"][0]["read"]["bw_bytes"]/1e9)' "$out/fio-$bs-$qd.json")
-            echo "fio bs $bs qd $qd: $gbps GB/s"
-            best=$("$py" -c "print(max($best, $gbps))")
-            cat "$out/fio-$bs-$qd.json" >> "$out/fio.json"
-            rm -f "$out/fio-$bs-$qd.json" "$out/fio-$bs-$qd.err"
+            fio_one "io_uring bs $bs qd $qd" --bs=$bs --iodepth=$qd --ioengine=io_uring --fixedbufs=1 --force_async=1 --numjobs=1
         done
     done
     # A kernel without io_uring (gVisor refuses it): the ceiling from
@@ -92,15 +101,7 @@ if [ -n "$fio" ]; then
         engine=psync
         for bs in 1M 4M; do
             for jobs in 4 8; do
-                sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null
-                "$fio" --name=ceiling --filename="$files" --readonly --rw=read --bs=$bs --numjobs=$jobs \
-                    --ioengine=psync --direct=1 --group_reporting \
-                    --output-format=json > "$out/fio-$bs-$jobs.json" 2> "$out/fio-$bs-$jobs.err" || { echo "fio psync $bs x$jobs failed: $(tail -2 "$out/fio-$bs-$jobs.err")"; rm -f "$out/fio-$bs-$jobs".*; continue; }
-                gbps=$("$py" -c 'import json,sys; j=json.load(open(sys.argv[1])); print(j["jobs"][0]["read"]["bw_bytes"]/1e9)' "$out/fio-$bs-$jobs.json")
-                echo "fio psync bs $bs jobs $jobs: $gbps GB/s"
-                best=$("$py" -c "print(max($best, $gbps))")
-                cat "$out/fio-$bs-$jobs.json" >> "$out/fio.json"
-                rm -f "$out/fio-$bs-$jobs.json" "$out/fio-$bs-$jobs.err"
+                fio_one "psync bs $bs jobs $jobs" --bs=$bs --numjobs=$jobs --ioengine=psync --group_reporting
             done
         done
     fi
