@@ -208,13 +208,18 @@ pub struct DriveStats {
     /// Chunks the drive's I/O threads hold right now (a gauge; engines only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub in_flight: Option<u64>,
-    /// How the ring issues reads: `inline` (the ring thread) or `async`
-    /// (punted to io-wq workers); io_uring engines only.
+    /// How the drive's reads are issued: `inline` (by the ring thread),
+    /// `async` (punted to io-wq workers) or `pread` (pread workers chosen
+    /// for a drive that completes reads inline); io_uring engines only.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub submit: Option<&'static str>,
     /// Ring threads issuing the drive's reads (io_uring engines).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rings: Option<u32>,
+    /// Pread workers reading the drive instead of rings (`submit` is
+    /// `pread`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pread_workers: Option<u32>,
     /// Why (the probe's figures, or the configuration).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub submit_reason: Option<String>,

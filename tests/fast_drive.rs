@@ -1,8 +1,9 @@
 //! Fast drives (root only: `simdrives`). A zram drive completes each read
 //! inside the submitting `io_uring_enter` (the copy runs there), so one
 //! ring thread would do every copy on one core: the engine's start-up probe
-//! must see that and give the drive one ring per CPU, and the bytes must be
-//! the same through every ring. A memloop drive completes asynchronously
+//! must see that and give the drive pread workers sharing one queue (or,
+//! with the io_uring backend forced, one ring per CPU), and the bytes must
+//! be the same through every lane. A memloop drive completes asynchronously
 //! (as NVMe DMA does): one ring. Each prints SKIP where it cannot run.
 
 mod common;
@@ -53,7 +54,7 @@ fn sync_and_drop_caches() {
 }
 
 #[test]
-fn a_drive_that_completes_inline_gets_a_ring_per_cpu_and_the_same_bytes() {
+fn a_drive_that_completes_inline_gets_pread_workers_or_a_ring_per_cpu_and_the_same_bytes() {
     if !common::uring_available() {
         return;
     }
@@ -65,11 +66,45 @@ fn a_drive_that_completes_inline_gets_a_ring_per_cpu_and_the_same_bytes() {
     common::synth_model(&dir, &s);
     sync_and_drop_caches();
     let model = Model::open(ModelConfig::new(&dir)).unwrap();
+    // The default (backend auto): pread workers, the choice said.
     let engine = Engine::new(&model, EngineConfig::default()).unwrap();
     let st = engine.stats();
     let d = &st.drives[0];
+    assert_eq!(
+        (d.submit, d.rings, d.pread_workers),
+        (Some("pread"), None, Some(8)),
+        "{d:?}"
+    );
+    assert!(
+        d.submit_reason
+            .as_deref()
+            .unwrap_or("")
+            .contains("completes reads inline"),
+        "{d:?}"
+    );
+    assert_eq!(st.backend, "pread");
+    assert!(
+        st.backend_reason.as_deref().unwrap_or("").contains("chosen per drive"),
+        "{st:?}"
+    );
+    // A choice, not a fallback: no warning says so.
+    assert!(
+        engine
+            .warnings()
+            .iter()
+            .all(|w| !w.to_string().contains("pread backend")),
+        "{:?}",
+        engine.warnings()
+    );
+    read_all(&engine, &model, s.seed);
+    assert_eq!(engine.stats().drives[0].chunks_unregistered, 0);
+    drop(engine);
+    // With io_uring asked for: one ring per CPU.
+    let engine = Engine::new(&model, EngineConfig::default().backend(BackendChoice::Uring)).unwrap();
+    let st = engine.stats();
+    let d = &st.drives[0];
     let want = cpus().min(8) as u32;
-    assert_eq!(d.rings, Some(want), "{d:?}");
+    assert_eq!((d.rings, d.pread_workers), (Some(want), None), "{d:?}");
     let why = d.submit_reason.as_deref().unwrap_or("");
     if want > 1 {
         assert!(why.contains("completes reads inline"), "{why}");
@@ -161,13 +196,12 @@ fn the_build_disk_gets_the_plan_its_probe_says() {
         return;
     }
     eprintln!("the build disk {}: {why}", d.device);
-    let want = if why.contains("completes reads inline") {
-        cpus().min(8) as u32
+    if why.contains("completes reads inline") {
+        assert_eq!((d.submit, d.pread_workers), (Some("pread"), Some(8)), "{d:?}");
     } else {
         assert!(why.contains("asynchronously"), "{why}");
-        1
-    };
-    assert_eq!((d.rings, d.submit), (Some(want), Some("inline")), "{d:?}");
+        assert_eq!((d.rings, d.submit), (Some(1), Some("inline")), "{d:?}");
+    }
     // The verdict names the passes it was drawn from.
     assert!(why.contains("passes"), "{why}");
     read_all(&engine, &model, s.seed);
@@ -191,17 +225,78 @@ fn a_loop_drive_over_memory_gets_the_plan_its_probe_says() {
     let engine = Engine::new(&model, EngineConfig::default()).unwrap();
     let d = &engine.stats().drives[0];
     let why = d.submit_reason.clone().unwrap_or_default();
-    let want = if why.contains("completes reads inline") {
-        cpus().min(8) as u32
+    if why.contains("completes reads inline") {
+        assert_eq!(d.pread_workers, Some(8), "{d:?}");
     } else {
         assert!(why.contains("asynchronously"), "{why}");
-        1
-    };
-    assert_eq!(d.rings, Some(want), "{d:?}");
+        assert_eq!(d.rings, Some(1), "{d:?}");
+    }
     read_all(&engine, &model, s.seed);
     drop(engine);
     drop(model);
     drop(sim);
+}
+
+/// One engine, a drive read by pread workers (zram) and one by a ring
+/// (memloop, when its probe says asynchronous): the bytes are right on
+/// both, the ring drive's reads go with registered buffers, the pread
+/// drive's are not counted as unregistered, and registration (which asks
+/// every ring lane and waits for its answer) neither hangs on the ringless
+/// lane nor fails.
+#[test]
+fn pread_workers_and_a_ring_in_one_engine() {
+    if !common::uring_available() {
+        return;
+    }
+    let (Some(z), Some(m)) = (SimDrives::up(1, "zram", "0"), SimDrives::up(1, "memloop", "0")) else {
+        return;
+    };
+    let dir = z.mounts[0].join("model");
+    let extra = m.mounts[0].join("model");
+    std::fs::create_dir_all(&extra).unwrap();
+    let s = spec();
+    common::synth_model(&dir, &s);
+    let shards = common::shard_names(&dir);
+    let moved: Vec<&str> = shards.iter().skip(1).map(|n| n.as_str()).collect();
+    common::move_files(&dir, &extra, &moved);
+    sync_and_drop_caches();
+    let model = Model::open(ModelConfig::new(&dir).dirs([&extra])).unwrap();
+    assert_eq!(model.drives().len(), 2);
+    let engine = Engine::new(&model, EngineConfig::default()).unwrap();
+    let st = engine.stats();
+    let (zd, md) = (&st.drives[0], &st.drives[1]);
+    assert_eq!(zd.submit, Some("pread"), "{zd:?}");
+    if md.submit == Some("pread") {
+        eprintln!(
+            "SKIP (partly): the memloop drive's probe said inline this time: {:?}",
+            md.submit_reason
+        );
+    } else {
+        assert_eq!(st.backend, "uring");
+        assert_eq!(md.rings, Some(1), "{md:?}");
+    }
+    let arena = engine.arena(model.slot_spec_for_largest("").unwrap(), 8).unwrap();
+    let tensors = model.catalog().tensors();
+    for batch in tensors.chunks(8) {
+        let tickets: Vec<_> = batch
+            .iter()
+            .map(|t| engine.read(t, arena.take().unwrap()).unwrap())
+            .collect();
+        for (t, k) in batch.iter().zip(tickets) {
+            let l = k.wait().unwrap_or_else(|e| panic!("{}: {e}", t.name));
+            assert!(synth::verify(s.seed, &t.name, &l), "{}: wrong bytes", t.name);
+        }
+    }
+    let st = engine.stats();
+    assert!(st.drives[0].chunks > 0 && st.drives[1].chunks > 0, "{:?}", st.drives);
+    assert_eq!(st.drives[0].chunks_unregistered, 0, "{:?}", st.drives[0]);
+    if st.backend == "uring" {
+        assert_eq!(st.drives[1].chunks_unregistered, 0, "registered: {:?}", st.drives[1]);
+    }
+    drop(arena);
+    drop(engine);
+    drop(model);
+    drop((z, m));
 }
 
 /// A large read's chunks grow when the engine chooses their size (each

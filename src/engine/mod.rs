@@ -428,8 +428,13 @@ impl Engine {
             d.numa_note = l.note.clone();
             d.thread_binding = Some(io.binding.clone());
             if let Some((plan, iowq)) = &io.submit {
-                d.submit = Some(if plan.punt { "async" } else { "inline" });
-                d.rings = Some(plan.rings as u32);
+                d.submit = Some(match (plan.pread, plan.punt) {
+                    (Some(_), _) => "pread",
+                    (None, true) => "async",
+                    (None, false) => "inline",
+                });
+                d.rings = plan.pread.is_none().then_some(plan.rings as u32);
+                d.pread_workers = plan.pread.map(|n| n as u32);
                 d.submit_reason = Some(plan.why.clone());
                 d.iowq_max_workers = *iowq;
             }

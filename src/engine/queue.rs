@@ -326,8 +326,13 @@ impl DriveQueue {
         Ok(())
     }
 
-    /// Queues control work and wakes the thread; hands it back when closed.
+    /// Queues control work and wakes the thread; hands it back when closed,
+    /// or when the lane has no ring (pread workers: nothing to register,
+    /// and nothing of theirs is left with the kernel to cancel).
     pub(crate) fn push_control(&self, c: Control) -> Result<(), Control> {
+        if self.eventfd.is_none() {
+            return Err(c);
+        }
         {
             let mut j = lock(&self.jobs);
             if j.closed.is_some() {

@@ -1,7 +1,8 @@
 //! `Engine::new`, step by step: each drive's chunk size and NUMA locality,
 //! then the io_uring backend (a submit plan and lanes per drive, one ring
-//! thread per lane) or the pread backend (a worker pool per drive) when
-//! io_uring is unavailable or not chosen.
+//! thread per lane, or a pread worker pool for a drive that completes reads
+//! inline) or the pread backend (a worker pool per drive) when io_uring is
+//! unavailable or not chosen.
 
 use std::sync::{Arc, Mutex};
 
@@ -28,6 +29,8 @@ struct Started {
     io: Arc<Io>,
     backend: Backend,
     backend_reason: Option<String>,
+    /// The pread backend because io_uring could not be set up.
+    fallback: bool,
     drives: Vec<DriveIo>,
     fixed_files: Feature,
     fixed_buffers_ok: bool,
@@ -65,7 +68,7 @@ impl Engine {
             model: model.clone(),
             io: s.io,
             router: Router::new(config.route.unwrap_or(model.route())),
-            pread_fallback: matches!(s.backend, Backend::Pread) && config.backend != BackendChoice::Pread,
+            pread_fallback: s.fallback,
             numa_wanted: config.numa,
             backend: s.backend,
             backend_reason: s.backend_reason,
@@ -144,12 +147,33 @@ fn start(
     placements: &[ThreadPlacement],
     nodes: &[Option<usize>],
 ) -> Result<Started> {
-    let mut reason = None;
+    let (mut reason, mut fallback) = (None, false);
     if config.backend != BackendChoice::Pread {
         match start_rings(model, depth, config, chunks, placements, nodes) {
             Ok((io, drives, files)) => {
-                let buffers_ok = drives.iter().all(|d| d.1.fixed_buffers.is_ok());
-                let unregistered = drives.iter().find_map(|d| d.1.fixed_buffers.clone().err());
+                if drives.iter().all(|d| d.1.is_none()) {
+                    // Every drive went to pread workers (each completes reads
+                    // inline): no ring runs, so nothing is registered.
+                    return Ok(Started {
+                        io,
+                        backend: Backend::Pread,
+                        backend_reason: Some(
+                            "chosen per drive: every drive completes reads inline, and pread workers read such a drive faster than rings (backend auto)"
+                                .into(),
+                        ),
+                        fallback: false,
+                        drives: drives.into_iter().map(|d| d.0).collect(),
+                        fixed_files: Feature {
+                            enabled: false,
+                            reason: Some("pread workers on every drive".into()),
+                        },
+                        fixed_buffers_ok: false,
+                        unregistered: Some("pread workers on every drive".into()),
+                    });
+                }
+                let rings = || drives.iter().filter_map(|d| d.1.as_ref());
+                let buffers_ok = rings().all(|r| r.fixed_buffers.is_ok());
+                let unregistered = rings().find_map(|r| r.fixed_buffers.clone().err());
                 if let Some(why) = &unregistered {
                     tracing::warn!("fixed buffers unavailable ({why}); reads use plain Read (counted per drive as chunks_unregistered)");
                 }
@@ -157,6 +181,7 @@ fn start(
                     io,
                     backend: Backend::Uring,
                     backend_reason: None,
+                    fallback: false,
                     drives: drives.into_iter().map(|d| d.0).collect(),
                     fixed_files: files,
                     fixed_buffers_ok: buffers_ok,
@@ -174,11 +199,14 @@ fn start(
                 let why = format!("io_uring unavailable ({e}{hint}); using the pread backend");
                 tracing::warn!("{why}");
                 reason = Some(why);
+                fallback = true;
             }
         }
     }
     let reason = reason.or_else(|| (config.backend == BackendChoice::Pread).then(|| "chosen by configuration".into()));
-    start_pread(model, depth, config, chunks, placements, nodes, reason)
+    let mut s = start_pread(model, depth, config, chunks, placements, nodes, reason)?;
+    s.fallback = fallback;
+    Ok(s)
 }
 
 /// One pread worker pool per drive.
@@ -191,8 +219,8 @@ fn start_pread(
     nodes: &[Option<usize>],
     reason: Option<String>,
 ) -> Result<Started> {
-    let io =
-        make_io(model, depth, false, nodes, &vec![1; chunks.len()]).map_err(|e| Error::io("<engine>", "eventfd", e))?;
+    let io = make_io(model, depth, &vec![false; chunks.len()], nodes, &vec![1; chunks.len()])
+        .map_err(|e| Error::io("<engine>", "eventfd", e))?;
     let mut drives = Vec::new();
     for (i, &chunk) in chunks.iter().enumerate() {
         let (threads, binding) = match pread::start(&io, i, config.pread_threads.min(depth), &placements[i]) {
@@ -215,6 +243,7 @@ fn start_pread(
         io,
         backend: Backend::Pread,
         backend_reason: reason,
+        fallback: false,
         drives,
         fixed_files: Feature {
             enabled: false,
@@ -236,12 +265,14 @@ fn drive_polls(model: &Model, i: usize) -> bool {
         .is_some_and(|v| v == "1")
 }
 
-/// The lanes (`lanes[d]` per drive, with an eventfd each for rings) and the
-/// load trackers of every drive. A drive's lanes share its queue depth.
+/// The lanes (`lanes[d]` per drive, with an eventfd each where `rings[d]`:
+/// a ring thread waits on it; pread workers wait on the lane's condvar)
+/// and the load trackers of every drive. A drive's lanes share its queue
+/// depth.
 fn make_io(
     model: &Model,
     depth: usize,
-    eventfd: bool,
+    rings: &[bool],
     nodes: &[Option<usize>],
     lanes: &[usize],
 ) -> std::io::Result<Arc<Io>> {
@@ -253,7 +284,7 @@ fn make_io(
         let share = depth.div_ceil(k.max(1)).max(1);
         let start = queues.len();
         for _ in 0..k.max(1) {
-            let efd = if eventfd {
+            let efd = if rings[d] {
                 Some(rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC)?)
             } else {
                 None
@@ -273,7 +304,9 @@ fn make_io(
     }))
 }
 
-type RingStart = (Arc<Io>, Vec<(DriveIo, ring::RingSetup)>, Feature);
+/// Per drive, its threads and, for rings, the first ring's setup (`None`:
+/// pread workers read the drive).
+type RingStart = (Arc<Io>, Vec<(DriveIo, Option<ring::RingSetup>)>, Feature);
 
 fn start_rings(
     model: &Model,
@@ -304,14 +337,41 @@ fn start_rings(
             .then(|| model.files().iter().filter(|f| f.drive == i).max_by_key(|f| f.size))
             .flatten()
             .map(ring::probe_submit);
-        let plan = lanes::plan_submit(config.submit, probe.as_ref(), cpus);
-        tracing::debug!(drive = %model.drives()[i].device, "submit: {}", plan.why);
+        let workers = (config.backend == BackendChoice::Auto).then(|| config.pread_threads.min(depth));
+        let plan = lanes::plan_submit(config.submit, probe.as_ref(), cpus, workers);
+        match plan.pread {
+            // A choice, said once per drive (and kept in its stats).
+            Some(_) => tracing::info!(drive = %model.drives()[i].device, "submit: {}", plan.why),
+            None => tracing::debug!(drive = %model.drives()[i].device, "submit: {}", plan.why),
+        }
         setups.push((iopoll, cpus, plan));
     }
     let lanes: Vec<usize> = setups.iter().map(|s| s.2.rings).collect();
-    let io = make_io(model, depth, true, nodes, &lanes).map_err(ring::StartError::Setup)?;
-    let mut out: Vec<(DriveIo, ring::RingSetup)> = Vec::new();
+    let rings: Vec<bool> = setups.iter().map(|s| s.2.pread.is_none()).collect();
+    let io = make_io(model, depth, &rings, nodes, &lanes).map_err(ring::StartError::Setup)?;
+    let mut out: Vec<(DriveIo, Option<ring::RingSetup>)> = Vec::new();
     for (i, (&chunk, (iopoll, cpus, plan))) in chunks.iter().zip(setups).enumerate() {
+        if let Some(workers) = plan.pread {
+            match pread::start(&io, i, workers, &placements[i]) {
+                Ok((threads, binding)) => out.push((
+                    DriveIo {
+                        threads,
+                        chunk,
+                        chunk_max: chunk_max(chunk, config),
+                        ring: None,
+                        submit: Some((plan, None)),
+                        binding,
+                    },
+                    None,
+                )),
+                Err(e) => {
+                    let mut started: Vec<DriveIo> = out.into_iter().map(|d| d.0).collect();
+                    stop(&io, &mut started);
+                    return Err(ring::StartError::Spawn(e));
+                }
+            }
+            continue;
+        }
         let cfg = RingConfig {
             depth: depth as u32,
             sqpoll: config.sqpoll,
@@ -360,10 +420,13 @@ fn start_rings(
                 submit: Some((plan, setup.iowq_workers)),
                 binding: setup.binding.clone(),
             },
-            setup,
+            Some(setup),
         ));
     }
-    let refused = out.iter().find_map(|d| d.1.fixed_files.clone().err());
+    let refused = out
+        .iter()
+        .filter_map(|d| d.1.as_ref())
+        .find_map(|r| r.fixed_files.clone().err());
     if let Some(why) = &refused {
         tracing::warn!("fixed files unavailable ({why}); reads use plain descriptors");
     }

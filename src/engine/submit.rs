@@ -165,16 +165,17 @@ impl Engine {
             t.buffered = true;
         }
         let counters = &self.model.drives()[d].counters;
-        match job.target.plain {
-            Plain::Fixed | Plain::NoRing => {}
-            Plain::Unasked => {
+        let lane = self.io.pick_lane(d);
+        let q = &self.io.queues[lane];
+        // A drive read by pread workers has no ring: nothing to count.
+        match (job.target.plain, q.eventfd.is_some()) {
+            (Plain::Fixed | Plain::NoRing, _) | (_, false) => {}
+            (Plain::Unasked, true) => {
                 DriveCounters::add(&counters.chunks_unregistered, 1);
                 DriveCounters::add(&counters.chunks_unregistered_arena, 1);
             }
-            Plain::Fallback => DriveCounters::add(&counters.chunks_unregistered, 1),
+            (Plain::Fallback, true) => DriveCounters::add(&counters.chunks_unregistered, 1),
         }
-        let lane = self.io.pick_lane(d);
-        let q = &self.io.queues[lane];
         self.io.loads[d].add(ch.len as u64);
         match q.push(job) {
             Ok(()) => fanout.of(d).queued |= 1 << ((lane - self.io.lanes[d].start) % 64),

@@ -286,6 +286,7 @@ impl Model {
                     in_flight: None,
                     submit: None,
                     rings: None,
+                    pread_workers: None,
                     submit_reason: None,
                     iowq_max_workers: None,
                     stopped: None,

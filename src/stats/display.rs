@@ -88,6 +88,8 @@ fn drive(f: &mut fmt::Formatter<'_>, d: &DriveStats) -> fmt::Result {
         if let Some(n) = d.iowq_max_workers {
             write!(f, ", io-wq workers at most {n}")?;
         }
+    } else if let Some(n) = d.pread_workers {
+        write!(f, "\n  {n} pread workers (the drive completes reads inline)")?;
     }
     if let Some(b) = &d.thread_binding {
         let node = match (d.numa_node, &d.numa_note) {
@@ -210,6 +212,7 @@ mod tests {
             in_flight: Some(0),
             submit: Some("inline"),
             rings: Some(1),
+            pread_workers: None,
             submit_reason: None,
             iowq_max_workers: None,
             stopped: None,

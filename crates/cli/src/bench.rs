@@ -1,5 +1,5 @@
 //! `weightstream bench`: read every expert of a model in a seeded random
-//! order (decode-like), through several arms, interleaved A B C A B C, and
+//! order (decode-like), through several arms, interleaved A B C, B C A, ..., and
 //! state each as a ratio to the device ceiling measured in the same run.
 //!
 //! Arms:
@@ -159,7 +159,7 @@ impl Default for BenchConfig {
 }
 
 /// One run of one arm. GB are 10^9 bytes.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Default, Serialize)]
 pub struct RunResult {
     pub bytes: u64,
     pub seconds: f64,
@@ -202,7 +202,7 @@ pub struct RunResult {
 }
 
 /// Medians over the runs of one arm.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Default, Serialize)]
 pub struct ArmResult {
     pub gbps: f64,
     pub gbps_min: f64,
@@ -311,8 +311,15 @@ pub fn run(model: &Model, cfg: &BenchConfig, progress: Progress) -> Result<Bench
     }
     let bytes_per_run: u64 = order.iter().map(|t| t.len).sum();
     let mut results: Vec<(Arm, Vec<RunResult>)> = arms.iter().map(|&a| (a, Vec::new())).collect();
+    // Each run starts one arm later than the one before (A B C, B C A, ...):
+    // the arm that runs right after fio's sweep measured about 5% slower on
+    // zram whichever arm it was (engine and pread backend, the same code
+    // then, 0.956 one way round and 1.06 the other over 10 and 5
+    // invocations), so a fixed order would put that into the ratios.
+    let n = results.len();
     for r in 0..cfg.runs.max(1) {
-        for (arm, runs) in results.iter_mut() {
+        for j in 0..n {
+            let (arm, runs) = &mut results[(j + r) % n];
             let res = run_arm(model, cfg, *arm, &order, &mut |f| progress(*arm, r, f))?;
             runs.push(res);
         }
@@ -622,10 +629,14 @@ fn run_arm(
             let ecfg = cfg
                 .engine
                 .clone()
+                // The engine's own choice (`auto`: io_uring, with pread
+                // workers for a drive that completes reads inline, each
+                // choice in the drive's stats; a fallback for want of
+                // io_uring is warned) unless --backend says otherwise.
                 .backend(if arm == Arm::Pread {
                     BackendChoice::Pread
                 } else {
-                    BackendChoice::Uring
+                    cfg.engine.backend
                 })
                 .route(match arm {
                     Arm::EngineRoute(r) => Some(r),
