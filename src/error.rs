@@ -416,6 +416,10 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// An expert cache could not serve a call
+    /// ([`ExpertCache`](crate::ExpertCache)).
+    #[error(transparent)]
+    Cache(#[from] CacheError),
 }
 
 /// The most names a [`Error::NoSuchTensor`] suggests.
@@ -438,6 +442,35 @@ fn near_names(suggestions: &[String], more: usize) -> String {
         n => format!(" ({n} more names differ from it in one part)"),
     };
     format!("; did you mean {list}?{more}")
+}
+
+/// Why an expert cache could not serve a call
+/// ([`ExpertCache`](crate::ExpertCache)).
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum CacheError {
+    /// Every entry is pinned by a handle or has a read in flight: there is
+    /// no room for another expert until a handle is dropped.
+    #[error("expert cache full: all {capacity} entries are in use ({pinned} pinned by live handles, {loading} with reads in flight); drop a handle or make the cache larger")]
+    Full {
+        /// Entries the budget holds.
+        capacity: usize,
+        /// Entries a live handle pins.
+        pinned: usize,
+        /// Entries whose read is in flight.
+        loading: usize,
+    },
+    /// The expert's read failed (on every copy); nothing was cached.
+    #[error("{expert}: read failed, nothing cached: {cause}")]
+    ReadFailed {
+        /// `layer 3 expert 17`.
+        expert: String,
+        /// The read's error.
+        cause: String,
+    },
+    /// The budget holds no whole expert, or the model has none.
+    #[error("expert cache: {0}")]
+    Config(String),
 }
 
 /// Why an expert view or a part of it is not there

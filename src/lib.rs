@@ -130,7 +130,7 @@
 //! ```
 //!
 //! Nothing below imports anything above it (`ci/layers` checks it). See
-//! `docs/architecture.md` for the contracts each module keeps.
+//! `docs/contracts.md` for the contracts each module keeps.
 //!
 //! Everything public here is the API. The hidden `__internal` module (the
 //! command, the tests, the fuzz targets and the benches use it: test
@@ -142,6 +142,7 @@
 #[cfg(not(target_os = "linux"))]
 compile_error!("weightstream is Linux-only: it needs O_DIRECT, statx(STATX_DIOALIGN) and io_uring");
 
+mod cache;
 mod config;
 mod engine;
 mod error;
@@ -156,6 +157,9 @@ mod plan;
 mod stats;
 mod storage;
 
+pub use cache::{
+    simulate_lru, CacheConfig, CacheStats, Capacity, ExpertCache, ExpertHandle, ExpertKey, Policy, PrefetchReport,
+};
 pub use config::{
     env, BackendChoice, DirectMode, EngineConfig, IoPoll, ModelConfig, RoutePolicy, SubmitMode, Weights,
     DEFAULT_SLICE_STAGING,
@@ -164,7 +168,7 @@ pub use engine::{
     DrivePlacement, Engine, FillOptions, FillReport, FillTarget, Lent, LentLoaded, LentTicket, Loaded, Scratch,
     ShutdownReport, SliceTicket, Ticket, DEFAULT_FILL_STAGING, MAX_FILL_COPY_THREADS, SLICE_PIECE_BYTES,
 };
-pub use error::{Error, ExpertsError, HeaderError, Result, SUGGESTIONS};
+pub use error::{CacheError, Error, ExpertsError, HeaderError, Result, SUGGESTIONS};
 pub use format::catalog::{Catalog, ShardInfo, TensorRef};
 pub use format::container::{ShardHeader, TensorEntry};
 pub use format::dtype::Dtype;

@@ -23,6 +23,9 @@ use pyo3::prelude::*;
 /// tensor).
 pub(crate) enum Bytes {
     Loaded(ws::Loaded),
+    /// Part `i` of a cached expert: the handle pins the cache entry (never
+    /// evicted nor overwritten) for as long as the payload lives.
+    Expert(ws::ExpertHandle, usize),
     Empty,
 }
 
@@ -33,6 +36,11 @@ impl Bytes {
                 let b = l.bytes();
                 (b.as_ptr().cast_mut(), b.len())
             }
+            Bytes::Expert(h, i) => match h.part_at(*i) {
+                Some(l) if !l.is_empty() => (l.as_ptr().cast_mut(), l.len()),
+                // No bytes: the same non-NULL pointer as an empty tensor.
+                _ => (std::ptr::NonNull::<u64>::dangling().as_ptr().cast(), 0),
+            },
             // DLPack consumers want a non-NULL pointer even for no bytes.
             Bytes::Empty => (std::ptr::NonNull::<u64>::dangling().as_ptr().cast(), 0),
         }

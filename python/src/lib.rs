@@ -88,6 +88,9 @@ fn to_py(e: ws::Error) -> PyErr {
             safetensor_error(format!("File does not contain tensor {name} ({msg})"))
         }
         ws::Error::Config(_) => PyValueError::new_err(msg),
+        ws::Error::Cache(ws::CacheError::Full { .. }) => pyo3::exceptions::PyRuntimeError::new_err(msg),
+        ws::Error::Cache(ws::CacheError::ReadFailed { .. }) => PyOSError::new_err(msg),
+        ws::Error::Cache(ws::CacheError::Config(_)) => PyValueError::new_err(msg),
         _ => safetensor_error(msg),
     }
 }
@@ -1396,6 +1399,144 @@ fn _prepare_for_writes(py: Python<'_>, address: usize, nbytes: usize, huge: bool
     })
 }
 
+/// `weightstream.ExpertCache`'s native half: a `ws::ExpertCache` over a
+/// model's routed experts, its own engine (the `WEIGHTSTREAM_*` settings).
+/// Every call runs with the GIL released; `close` drops the cache (calls
+/// running hold it until they return). Tensors handed out hold their
+/// entry's handle, so an entry stays pinned, and its memory valid, until
+/// the last of its tensors dies, after `close` too.
+#[pyclass(module = "weightstream._native", frozen)]
+struct ExpertCache {
+    cache: std::sync::Mutex<Option<Arc<ws::ExpertCache>>>,
+}
+
+/// One part of a cached expert for Python: `(key, dtype, shape, payload)`,
+/// the key `projection` for its weight and `projection.part` for the rest.
+fn expert_items(h: &ws::ExpertHandle) -> Vec<Item> {
+    h.parts()
+        .enumerate()
+        .map(|(i, (proj, part, l))| {
+            let key = if h.weight(proj).is_some_and(|w| std::ptr::eq(w, l)) {
+                proj.to_string()
+            } else {
+                format!("{proj}.{part}")
+            };
+            (
+                key,
+                l.dtype().name().to_string(),
+                l.shape().to_vec(),
+                Payload {
+                    bytes: Arc::new(Bytes::Expert(h.clone(), i)),
+                },
+            )
+        })
+        .collect()
+}
+
+impl ExpertCache {
+    fn cache(&self) -> PyResult<Arc<ws::ExpertCache>> {
+        self.cache
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+            .ok_or_else(|| PyValueError::new_err("ExpertCache is closed"))
+    }
+}
+
+#[pymethods]
+impl ExpertCache {
+    #[new]
+    #[pyo3(signature = (path, capacity=None, budget_bytes=None, policy="lru", dirs=None, mirrors=None, route=None, direct=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        path: &str,
+        capacity: Option<usize>,
+        budget_bytes: Option<u64>,
+        policy: &str,
+        dirs: Option<Vec<String>>,
+        mirrors: Option<Vec<String>>,
+        route: Option<&str>,
+        direct: Option<&str>,
+    ) -> PyResult<Self> {
+        let cap = match (capacity, budget_bytes) {
+            (Some(n), None) => ws::Capacity::Experts(n),
+            (None, Some(b)) => ws::Capacity::Bytes(b),
+            _ => {
+                return Err(PyValueError::new_err(
+                    "ExpertCache: give exactly one of capacity= (experts) and budget_bytes=",
+                ))
+            }
+        };
+        let policy: ws::Policy = policy.parse().map_err(to_py)?;
+        let config = layout_with(path, (dirs, mirrors, route, direct), true)?;
+        let cache = py
+            .detach(|| -> ws::Result<_> {
+                let model = ws::Model::open(config)?;
+                let c = ws::CacheConfig::new(cap)
+                    .policy(policy)
+                    .engine(ws::EngineConfig::from_env()?)
+                    .inherit_on_fork(true);
+                ws::ExpertCache::new(&model, c)
+            })
+            .map_err(to_py)?;
+        Ok(ExpertCache {
+            cache: std::sync::Mutex::new(Some(Arc::new(cache))),
+        })
+    }
+
+    /// `[(key, dtype, shape, payload)]` of expert `expert` of layer `layer`.
+    fn get(&self, py: Python<'_>, layer: usize, expert: usize) -> PyResult<Vec<Item>> {
+        let c = self.cache()?;
+        let h = py.detach(|| c.get(layer, expert)).map_err(to_py)?;
+        Ok(expert_items(&h))
+    }
+
+    /// One list as `get`'s per expert, every miss started at once.
+    fn get_many(&self, py: Python<'_>, layer: usize, experts: Vec<usize>) -> PyResult<Vec<Vec<Item>>> {
+        let c = self.cache()?;
+        let hs = py.detach(|| c.get_many(layer, &experts)).map_err(to_py)?;
+        Ok(hs.iter().map(expert_items).collect())
+    }
+
+    /// `(started, present, refused)`; never waits.
+    fn prefetch(&self, py: Python<'_>, keys: Vec<(usize, usize)>) -> PyResult<(usize, usize, usize)> {
+        let c = self.cache()?;
+        let r = py.detach(|| c.prefetch(&keys)).map_err(to_py)?;
+        Ok((r.started, r.present, r.refused))
+    }
+
+    /// Waits for every read started so far.
+    fn wait_idle(&self, py: Python<'_>) -> PyResult<()> {
+        let c = self.cache()?;
+        py.detach(|| c.wait_idle()).map_err(to_py)
+    }
+
+    /// The counters as JSON.
+    fn stats(&self, py: Python<'_>) -> PyResult<String> {
+        let c = self.cache()?;
+        let s = py.detach(|| c.stats());
+        serde_json::to_string(&s).map_err(|e| PyValueError::new_err(e.to_string()))
+    }
+
+    /// `(capacity, entry_bytes)`.
+    fn budget(&self) -> PyResult<(usize, u64)> {
+        let c = self.cache()?;
+        Ok((c.capacity(), c.entry_bytes()))
+    }
+
+    /// Drops the cache (and its engine, once calls running return); a
+    /// second close does nothing.
+    fn close(&self, py: Python<'_>) {
+        let c = self
+            .cache
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        py.detach(move || drop(c));
+    }
+}
+
 /// The library's version.
 #[pyfunction]
 fn version() -> &'static str {
@@ -1408,6 +1549,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Reader>()?;
     m.add_class::<Payload>()?;
     m.add_class::<Stream>()?;
+    m.add_class::<ExpertCache>()?;
     m.add_function(wrap_pyfunction!(load, m)?)?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
     m.add_function(wrap_pyfunction!(_set_error_type, m)?)?;

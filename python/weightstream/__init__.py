@@ -28,7 +28,7 @@ except ImportError:  # pragma: no cover - safetensors is not a dependency
 _native._set_error_type(SafetensorError)
 
 __version__ = _native.version()
-__all__ = ["safe_open", "load", "stream", "shard_bounds", "Engine", "SafetensorError", "__version__"]
+__all__ = ["safe_open", "load", "stream", "shard_bounds", "Engine", "ExpertCache", "SafetensorError", "__version__"]
 
 # safetensors' framework names, and the ones weightstream reads into.
 _FRAMEWORKS = {
@@ -472,6 +472,78 @@ class Engine(safe_open):
             raise ValueError(f"read_into: {name} [{start or 0}, {end if end is not None else nbytes}) is {want} bytes; out has {have}")
         self._reader._read_into_address(name, address, have, start, end)
         return out
+
+
+class ExpertCache:
+    """An expert cache for mixture-of-experts decode over a model's routed
+    experts (``model.layers.L.<block>.experts.E.<projection>.<part>``, and
+    fused ``experts.<projection>`` tensors by their rows): whole experts in
+    registered memory within ``capacity`` experts or ``budget_bytes``,
+    misses read O_DIRECT in place on every drive and mirror, ``prefetch``
+    in the background, exact LRU (``policy="lru"``) or LFU with aging
+    (``"lfu"``) over experts no tensor holds.
+
+    ``get(layer, expert)`` returns ``{projection: weight tensor,
+    "projection.part": companion}`` (``"gate_proj"``, ``"gate_proj.bias"``);
+    a tensor keeps its expert pinned (never evicted, never overwritten)
+    until it is freed, after ``close()`` too. Any number of threads may
+    call at once; every call releases the GIL."""
+
+    def __init__(self, path, capacity=None, *, budget_bytes=None, policy="lru", framework="pt", dirs=None, mirrors=None, route=None, direct=None):
+        self._conv = _convert(framework)
+        self._cache = _native.ExpertCache(
+            _model_path(path),
+            capacity=capacity,
+            budget_bytes=budget_bytes,
+            policy=policy,
+            dirs=_paths(dirs),
+            mirrors=_paths(mirrors),
+            route=route,
+            direct=direct,
+        )
+        self.capacity, self.entry_bytes = self._cache.budget()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _dict(self, items):
+        conv = self._conv
+        return {key: conv(payload, dtype, shape) for key, dtype, shape, payload in items}
+
+    def get(self, layer, expert):
+        """Expert ``expert`` of layer ``layer`` as ``{key: tensor}``; blocks
+        only while its read is in flight."""
+        return self._dict(self._cache.get(int(layer), int(expert)))
+
+    def get_many(self, layer, experts):
+        """A layer's top-k: every miss started at once; one dict per expert."""
+        return [self._dict(items) for items in self._cache.get_many(int(layer), [int(e) for e in experts])]
+
+    def prefetch(self, keys):
+        """Starts background reads of ``[(layer, expert), ...]``; never
+        waits. Returns ``{"started", "present", "refused"}`` (refused: every
+        entry pinned or in flight)."""
+        started, present, refused = self._cache.prefetch([(int(l), int(e)) for l, e in keys])
+        return {"started": started, "present": present, "refused": refused}
+
+    def wait_idle(self):
+        """Waits until every read started so far has landed."""
+        self._cache.wait_idle()
+
+    def stats(self):
+        """``hits``, ``misses``, ``prefetched``, ``prefetch_used``,
+        ``prefetch_wasted``, ``prefetch_wasted_bytes``, ``prefetch_refused``,
+        ``evictions``, ``failed_reads``, ``bytes_read``,
+        ``bytes_read_per_drive``, ``wait_seconds``, ``entries``, ``pinned``,
+        ``capacity``, ``entry_bytes``."""
+        return _json.loads(self._cache.stats())
+
+    def close(self):
+        """Drops the cache and its engine; tensors already returned stay valid."""
+        self._cache.close()
 
 
 def _writable_address(out, dtype, name):

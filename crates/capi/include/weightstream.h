@@ -50,7 +50,7 @@
 #define WS_ABI_VERSION_MAJOR 1
 
 // The ABI's minor version: additions only.
-#define WS_ABI_VERSION_MINOR 1
+#define WS_ABI_VERSION_MINOR 2
 
 // `ws_fill_options.flags`: every byte through staging and one copy, none
 // read in place (memory the kernel must not write).
@@ -92,6 +92,13 @@
 // return the result without spending the ticket. What `ws_read_any`
 // always does.
 #define WS_READ_HOLD 2
+
+// `ws_expert_cache_options.policy`: exact LRU over unpinned experts.
+#define WS_CACHE_LRU 0
+
+// `ws_expert_cache_options.policy`: LFU with aging (counts halved every
+// `capacity` gets; ties to the least recently used).
+#define WS_CACHE_LFU 1
 
 // What a call did. `WS_OK` and the two non-errors (`WS_PENDING`,
 // `WS_TIMEOUT`) are zero or positive; every error is negative and leaves a
@@ -145,6 +152,24 @@ typedef enum ws_status {
   WS_ERR_ABANDONED = -14,
 } ws_status;
 
+// Expert cache settings. Exactly one of `capacity_experts` and
+// `budget_bytes` is non-zero. Start from `ws_expert_cache_options_default()`.
+typedef struct ws_expert_cache_options {
+  // `sizeof(ws_expert_cache_options)` as the caller compiled it.
+  uint32_t struct_size;
+  // `WS_CACHE_LRU` (0) or `WS_CACHE_LFU`.
+  uint32_t policy;
+  // Whole experts the cache holds.
+  uint64_t capacity_experts;
+  // Or: bytes of slot memory (as many whole experts as fit).
+  uint64_t budget_bytes;
+} ws_expert_cache_options;
+
+// An open model (the shards' headers, read and checked). Zero is no model.
+typedef struct ws_model {
+  uint64_t id;
+} ws_model;
+
 // Engine settings (`EngineConfig`). A zero or NULL field is the default,
 // so a zeroed struct with `struct_size` set is all defaults. Start from
 // `ws_engine_options_default()`.
@@ -165,10 +190,64 @@ typedef struct ws_engine_options {
   const char *submit;
 } ws_engine_options;
 
-// An open model (the shards' headers, read and checked). Zero is no model.
-typedef struct ws_model {
+// An expert cache (`ws_expert_cache_create`). Zero is none.
+typedef struct ws_expert_cache {
   uint64_t id;
-} ws_model;
+} ws_expert_cache;
+
+// A cached expert, pinned (never evicted, never overwritten) until
+// `ws_expert_release`; its bytes stay valid until then, even after the
+// cache is destroyed. Zero is none.
+typedef struct ws_expert {
+  uint64_t id;
+} ws_expert;
+
+// One part of a cached expert: its projection (`gate_proj`), its part
+// (`weight`, `bias`, `weight_scale`, ...), the tensor's name in the
+// model, and its payload in place. Strings and bytes live as long as the
+// `ws_expert` they came with.
+typedef struct ws_expert_part {
+  const char *projection;
+  const char *part;
+  const char *tensor;
+  const uint8_t *data;
+  uint64_t bytes;
+} ws_expert_part;
+
+// Which expert: a layer and a routed expert's number.
+typedef struct ws_expert_key {
+  uint32_t layer;
+  uint32_t expert;
+} ws_expert_key;
+
+// What `ws_expert_cache_prefetch` did: reads started, experts already
+// present, and experts refused (every entry pinned or in flight: the
+// call never waits).
+typedef struct ws_prefetch_report {
+  uint64_t started;
+  uint64_t present;
+  uint64_t refused;
+} ws_prefetch_report;
+
+// An expert cache's counters (`ws_expert_cache_stats`; the JSON form has
+// the bytes per drive too).
+typedef struct ws_cache_stats {
+  uint64_t capacity;
+  uint64_t entry_bytes;
+  uint64_t entries;
+  uint64_t pinned;
+  uint64_t hits;
+  uint64_t misses;
+  uint64_t prefetched;
+  uint64_t prefetch_used;
+  uint64_t prefetch_wasted;
+  uint64_t prefetch_wasted_bytes;
+  uint64_t prefetch_refused;
+  uint64_t evictions;
+  uint64_t failed_reads;
+  uint64_t bytes_read;
+  double wait_seconds;
+} ws_cache_stats;
 
 // An engine: one I/O thread (or ring) per drive. Zero is no engine.
 typedef struct ws_engine {
@@ -374,6 +453,102 @@ uint32_t ws_abi_version(void);
 
 // The library's version ("0.1.0"); static, never NULL.
 const char *ws_version(void);
+
+// The default cache options: `struct_size` set, LRU, no capacity (one
+// of `capacity_experts` and `budget_bytes` must be set).
+struct ws_expert_cache_options ws_expert_cache_options_default(void);
+
+// An expert cache over `model`'s routed experts, with an engine of its
+// own (`engine_options`, NULL: defaults): whole experts in registered
+// slot memory, misses read O_DIRECT in place on every drive and mirror.
+//
+// Thread safety: any number of threads may get, release, prefetch and
+// take stats at once.
+//
+// # Safety
+// `options` points to a `ws_expert_cache_options`; `engine_options` is
+// NULL or a `ws_engine_options` whose strings are NULL or NUL-terminated;
+// `out` is valid for a write.
+enum ws_status ws_expert_cache_create(struct ws_model model,
+                                      const struct ws_expert_cache_options *options,
+                                      const struct ws_engine_options *engine_options,
+                                      struct ws_expert_cache *out);
+
+// Expert `expert` of layer `layer`, pinned until `ws_expert_release`:
+// at once when cached, else after its read (concurrent gets of one
+// expert wait for the same read). Up to `cap` parts (projection, part,
+// tensor name, pointer, length) are written to `parts`; `*n_parts` says
+// how many the expert has (call `ws_expert_parts` for more).
+//
+// Errors: `WS_ERR_FORMAT` no such layer or expert; `WS_ERR_BUSY` every
+// entry pinned or in flight (release one); `WS_ERR_READ` the read failed
+// on every copy (nothing cached).
+//
+// # Safety
+// `parts` is NULL (with `cap` 0) or valid for `cap` writes; `n_parts` is
+// NULL or valid for a write; `out` is valid for a write.
+enum ws_status ws_expert_cache_get(struct ws_expert_cache cache,
+                                   uint32_t layer,
+                                   uint32_t expert,
+                                   struct ws_expert *out,
+                                   struct ws_expert_part *parts,
+                                   size_t cap,
+                                   size_t *n_parts);
+
+// Layer `layer`'s `n` experts (its top-k): every miss started at once,
+// then each waited for; `out[i]` pinned until released. Parts with
+// `ws_expert_parts`. On an error no handle is written (the reads
+// started go on; their entries stay for later gets).
+//
+// # Safety
+// `experts` is valid for `n` reads and `out` for `n` writes.
+enum ws_status ws_expert_cache_get_many(struct ws_expert_cache cache,
+                                        uint32_t layer,
+                                        const uint32_t *experts,
+                                        size_t n,
+                                        struct ws_expert *out);
+
+// Up to `cap` parts of a handed-out expert, and how many it has.
+//
+// # Safety
+// As `ws_expert_cache_get`'s `parts`, `cap` and `n_parts`.
+enum ws_status ws_expert_parts(struct ws_expert expert,
+                               struct ws_expert_part *parts,
+                               size_t cap,
+                               size_t *n_parts);
+
+// Unpins an expert: its parts' pointers are not to be used after this.
+// A second release is `WS_ERR_HANDLE`.
+enum ws_status ws_expert_release(struct ws_expert expert);
+
+// Starts background reads of the listed experts not cached; never waits
+// and never evicts a pinned entry: when no entry can make room it stops
+// and counts the rest as refused in `report` (NULL: not reported).
+//
+// # Safety
+// `keys` is valid for `n` reads; `report` is NULL or valid for a write.
+enum ws_status ws_expert_cache_prefetch(struct ws_expert_cache cache,
+                                        const struct ws_expert_key *keys,
+                                        size_t n,
+                                        struct ws_prefetch_report *report);
+
+// The cache's counters.
+//
+// # Safety
+// `out` is valid for a write.
+enum ws_status ws_expert_cache_stats(struct ws_expert_cache cache, struct ws_cache_stats *out);
+
+// The cache's counters as JSON (with the bytes read per drive), to be
+// freed with `ws_string_free`.
+//
+// # Safety
+// `json` is valid for a write.
+enum ws_status ws_expert_cache_stats_json(struct ws_expert_cache cache, char **json);
+
+// Destroys the cache: its engine stops once the calls running on it
+// return (reads in flight finish into their slots first). Experts still
+// held stay valid until released. A second destroy is `WS_ERR_HANDLE`.
+enum ws_status ws_expert_cache_destroy(struct ws_expert_cache cache);
 
 // The default engine options, `struct_size` filled in (every other field
 // zero or NULL: the defaults).

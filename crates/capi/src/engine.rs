@@ -51,6 +51,57 @@ fn make_engine(model: ws_model, config: EngineConfig) -> Res<ws_engine> {
     })
 }
 
+/// The engine settings `options` (NULL: defaults) say, checked.
+///
+/// # Safety
+/// `options` is NULL or a `ws_engine_options` whose strings are NULL or
+/// NUL-terminated.
+pub(crate) unsafe fn engine_config(options: *const ws_engine_options) -> Res<EngineConfig> {
+    let mut c = EngineConfig::default();
+    // SAFETY: NULL or a ws_engine_options (the contract).
+    if let Some(o) = unsafe { self::options(options, "options", "ws_engine_options_default()") }? {
+        // SAFETY: NULL or NUL-terminated (the contract).
+        let (backend, submit) = unsafe {
+            (
+                opt_str(o.backend, "options.backend")?,
+                opt_str(o.submit, "options.submit")?,
+            )
+        };
+        if let Some(b) = parse(backend, "options.backend")? {
+            c = c.backend(b);
+        }
+        if let Some(s) = parse(submit, "options.submit")? {
+            c = c.submit(s);
+        }
+        if o.queue_depth != 0 {
+            if o.queue_depth > 4096 {
+                return Err(invalid(format!("options.queue_depth {} (1 to 4096)", o.queue_depth)));
+            }
+            c = c.queue_depth(o.queue_depth as usize);
+        }
+        if o.chunk_bytes != 0 {
+            if !o.chunk_bytes.is_multiple_of(4096) || o.chunk_bytes > 1 << 30 {
+                return Err(invalid(format!(
+                    "options.chunk_bytes {} (a multiple of 4096, 4 KiB to 1 GiB)",
+                    o.chunk_bytes
+                )));
+            }
+            c = c.chunk(Some(o.chunk_bytes as usize));
+        }
+        c = match o.numa {
+            WS_NUMA_DEFAULT => c,
+            WS_NUMA_ON => c.numa(true),
+            WS_NUMA_OFF => c.numa(false),
+            n => {
+                return Err(invalid(format!(
+                    "options.numa {n} (WS_NUMA_DEFAULT 0, WS_NUMA_ON 1, WS_NUMA_OFF 2)"
+                )))
+            }
+        };
+    }
+    Ok(c)
+}
+
 /// Starts an engine for `model` with `options` (NULL: defaults).
 ///
 /// Thread safety: an engine is used from any number of threads at once
@@ -70,48 +121,9 @@ pub unsafe extern "C" fn ws_engine_create(
         if out.is_null() {
             return Err(null("out"));
         }
-        let mut c = EngineConfig::default();
-        // SAFETY: NULL or a ws_engine_options (the contract).
-        if let Some(o) = unsafe { self::options(options, "options", "ws_engine_options_default()") }? {
-            // SAFETY: NULL or NUL-terminated (the contract).
-            let (backend, submit) = unsafe {
-                (
-                    opt_str(o.backend, "options.backend")?,
-                    opt_str(o.submit, "options.submit")?,
-                )
-            };
-            if let Some(b) = parse(backend, "options.backend")? {
-                c = c.backend(b);
-            }
-            if let Some(s) = parse(submit, "options.submit")? {
-                c = c.submit(s);
-            }
-            if o.queue_depth != 0 {
-                if o.queue_depth > 4096 {
-                    return Err(invalid(format!("options.queue_depth {} (1 to 4096)", o.queue_depth)));
-                }
-                c = c.queue_depth(o.queue_depth as usize);
-            }
-            if o.chunk_bytes != 0 {
-                if !o.chunk_bytes.is_multiple_of(4096) || o.chunk_bytes > 1 << 30 {
-                    return Err(invalid(format!(
-                        "options.chunk_bytes {} (a multiple of 4096, 4 KiB to 1 GiB)",
-                        o.chunk_bytes
-                    )));
-                }
-                c = c.chunk(Some(o.chunk_bytes as usize));
-            }
-            c = match o.numa {
-                WS_NUMA_DEFAULT => c,
-                WS_NUMA_ON => c.numa(true),
-                WS_NUMA_OFF => c.numa(false),
-                n => {
-                    return Err(invalid(format!(
-                        "options.numa {n} (WS_NUMA_DEFAULT 0, WS_NUMA_ON 1, WS_NUMA_OFF 2)"
-                    )))
-                }
-            };
-        }
+        // SAFETY: NULL or a ws_engine_options with NULL or NUL-terminated
+        // strings (the contract).
+        let c = unsafe { engine_config(options) }?;
         let e = make_engine(model, c)?;
         // SAFETY: checked non-NULL; valid for a write (the contract).
         unsafe { out.write(e) };

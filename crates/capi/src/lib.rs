@@ -7,7 +7,7 @@
 //! plus a thread-local message; a forked child is refused before any lock),
 //! and every pointer the caller passes is checked for NULL before use. The
 //! modules follow the handles: [`model`], [`engine`], [`memory`] (the
-//! caller's and the engine's), [`read`] (reads and tickets), [`fill`] (many destinations the caller has, filled in one call); [`types`] are
+//! caller's and the engine's), [`read`] (reads and tickets), [`fill`] (many destinations the caller has, filled in one call), [`cache`] (an expert cache for MoE decode); [`types`] are
 //! the C structs, [`util`] reads and writes the caller's pointers. The unsafe here is only the reading and
 //! writing of the caller's pointers and the lending of the caller's memory
 //! to the engine (`Engine::register_memory`, whose obligations the header
@@ -16,6 +16,7 @@
 #![allow(non_camel_case_types)]
 #![allow(clippy::missing_safety_doc)] // every pub unsafe fn has `# Safety` below; the lint misses extern "C"
 
+mod cache;
 mod engine;
 mod fill;
 mod handles;
@@ -26,6 +27,11 @@ mod status;
 mod types;
 mod util;
 
+pub use cache::{
+    ws_expert_cache_create, ws_expert_cache_destroy, ws_expert_cache_get, ws_expert_cache_get_many,
+    ws_expert_cache_options_default, ws_expert_cache_prefetch, ws_expert_cache_stats, ws_expert_cache_stats_json,
+    ws_expert_parts, ws_expert_release,
+};
 pub use engine::{
     ws_engine_create, ws_engine_create_env, ws_engine_direct_align, ws_engine_options_default, ws_engine_shutdown,
     ws_engine_stats, ws_engine_stats_json,
@@ -50,7 +56,7 @@ pub use util::ws_string_free;
 /// older header bumps it.
 pub const WS_ABI_VERSION_MAJOR: u32 = 1;
 /// The ABI's minor version: additions only.
-pub const WS_ABI_VERSION_MINOR: u32 = 1;
+pub const WS_ABI_VERSION_MINOR: u32 = 2;
 
 /// `(WS_ABI_VERSION_MAJOR << 16) | WS_ABI_VERSION_MINOR` of the library
 /// loaded at run time: compare its major with the header's.

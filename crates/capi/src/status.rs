@@ -92,6 +92,8 @@ impl From<ws::Error> for Fail {
             E::DriveStopped { .. } => ws_status::WS_ERR_ABANDONED,
             E::Forked { .. } => ws_status::WS_ERR_FORKED,
             E::Take(_) => ws_status::WS_ERR_BUSY,
+            E::Cache(ws::CacheError::Full { .. }) => ws_status::WS_ERR_BUSY,
+            E::Cache(ws::CacheError::ReadFailed { .. }) => ws_status::WS_ERR_READ,
             _ => ws_status::WS_ERR_CONFIG,
         };
         Fail {

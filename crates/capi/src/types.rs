@@ -223,3 +223,95 @@ pub struct ws_stats {
     /// Warnings the engine has (the JSON has their text).
     pub warnings: u32,
 }
+
+/// An expert cache (`ws_expert_cache_create`). Zero is none.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ws_expert_cache {
+    pub id: u64,
+}
+
+/// A cached expert, pinned (never evicted, never overwritten) until
+/// `ws_expert_release`; its bytes stay valid until then, even after the
+/// cache is destroyed. Zero is none.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ws_expert {
+    pub id: u64,
+}
+
+/// `ws_expert_cache_options.policy`: exact LRU over unpinned experts.
+pub const WS_CACHE_LRU: u32 = 0;
+/// `ws_expert_cache_options.policy`: LFU with aging (counts halved every
+/// `capacity` gets; ties to the least recently used).
+pub const WS_CACHE_LFU: u32 = 1;
+
+/// Expert cache settings. Exactly one of `capacity_experts` and
+/// `budget_bytes` is non-zero. Start from `ws_expert_cache_options_default()`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct ws_expert_cache_options {
+    /// `sizeof(ws_expert_cache_options)` as the caller compiled it.
+    pub struct_size: u32,
+    /// `WS_CACHE_LRU` (0) or `WS_CACHE_LFU`.
+    pub policy: u32,
+    /// Whole experts the cache holds.
+    pub capacity_experts: u64,
+    /// Or: bytes of slot memory (as many whole experts as fit).
+    pub budget_bytes: u64,
+}
+
+/// One part of a cached expert: its projection (`gate_proj`), its part
+/// (`weight`, `bias`, `weight_scale`, ...), the tensor's name in the
+/// model, and its payload in place. Strings and bytes live as long as the
+/// `ws_expert` they came with.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct ws_expert_part {
+    pub projection: *const c_char,
+    pub part: *const c_char,
+    pub tensor: *const c_char,
+    pub data: *const u8,
+    pub bytes: u64,
+}
+
+/// Which expert: a layer and a routed expert's number.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ws_expert_key {
+    pub layer: u32,
+    pub expert: u32,
+}
+
+/// What `ws_expert_cache_prefetch` did: reads started, experts already
+/// present, and experts refused (every entry pinned or in flight: the
+/// call never waits).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ws_prefetch_report {
+    pub started: u64,
+    pub present: u64,
+    pub refused: u64,
+}
+
+/// An expert cache's counters (`ws_expert_cache_stats`; the JSON form has
+/// the bytes per drive too).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ws_cache_stats {
+    pub capacity: u64,
+    pub entry_bytes: u64,
+    pub entries: u64,
+    pub pinned: u64,
+    pub hits: u64,
+    pub misses: u64,
+    pub prefetched: u64,
+    pub prefetch_used: u64,
+    pub prefetch_wasted: u64,
+    pub prefetch_wasted_bytes: u64,
+    pub prefetch_refused: u64,
+    pub evictions: u64,
+    pub failed_reads: u64,
+    pub bytes_read: u64,
+    pub wait_seconds: f64,
+}

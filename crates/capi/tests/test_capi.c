@@ -821,6 +821,78 @@ static void test_threads(ws_model m, ws_engine e) {
     free(at);
 }
 
+/* The expert cache: every part's bytes equal the file's, a hit returns the
+ * same memory, a full cache of pinned experts refuses a get (WS_ERR_BUSY)
+ * and a prefetch (counted, never waited for), and an expert held past the
+ * cache's destroy stays readable until released. */
+static void check_expert(ws_model m, const ws_expert_part *parts, size_t n, uint32_t layer, uint32_t expert) {
+    char prefix[128];
+    snprintf(prefix, sizeof prefix, "model.layers.%u.mlp.experts.%u.", layer, expert);
+    CHECK(n > 0, "layer %u expert %u has parts", layer, expert);
+    for (size_t i = 0; i < n; i++) {
+        ws_tensor_info t;
+        EXPECT(ws_model_find(m, parts[i].tensor, &t), WS_OK);
+        CHECK(strncmp(parts[i].tensor, prefix, strlen(prefix)) == 0, "%s is of %s", parts[i].tensor, prefix);
+        CHECK(parts[i].bytes == t.bytes, "%s: %llu bytes", parts[i].tensor, (unsigned long long)parts[i].bytes);
+        CHECK(same_as_file(&t, 0, t.bytes, parts[i].data), "%s: the file's bytes", parts[i].tensor);
+        CHECK(strstr(parts[i].tensor, parts[i].projection) != NULL, "%s names %s", parts[i].tensor, parts[i].projection);
+    }
+}
+
+static void test_expert_cache(ws_model m) {
+    ws_expert_cache_options o = ws_expert_cache_options_default();
+    ws_expert_cache c;
+    EXPECT(ws_expert_cache_create(m, &o, NULL, &c), WS_ERR_INVALID); /* no capacity */
+    o.capacity_experts = 2;
+    o.policy = 7;
+    EXPECT(ws_expert_cache_create(m, &o, NULL, &c), WS_ERR_INVALID);
+    o.policy = WS_CACHE_LRU;
+    EXPECT(ws_expert_cache_create(m, &o, NULL, &c), WS_OK);
+    ws_expert a, b, x;
+    ws_expert_part parts[8];
+    size_t n = 0;
+    EXPECT(ws_expert_cache_get(c, 0, 1, &a, parts, 8, &n), WS_OK);
+    check_expert(m, parts, n < 8 ? n : 8, 0, 1);
+    const unsigned char *first = parts[0].data;
+    EXPECT(ws_expert_cache_get(c, 0, 1, &x, parts, 8, &n), WS_OK); /* a hit: the same bytes */
+    CHECK(parts[0].data == first, "a hit hands out the same memory");
+    EXPECT(ws_expert_release(x), WS_OK);
+    EXPECT(ws_expert_release(x), WS_ERR_HANDLE);
+    uint32_t top[2] = {2, 2};
+    ws_expert two[2];
+    EXPECT(ws_expert_cache_get_many(c, 1, top, 2, two), WS_OK);
+    EXPECT(ws_expert_parts(two[0], parts, 8, &n), WS_OK);
+    check_expert(m, parts, n, 1, 2);
+    EXPECT(ws_expert_release(two[0]), WS_OK);
+    EXPECT(ws_expert_release(two[1]), WS_OK);
+    EXPECT(ws_expert_cache_get(c, 0, 3, &b, NULL, 0, &n), WS_OK); /* evicts layer 1's, unpinned */
+    /* Both entries pinned now. */
+    EXPECT(ws_expert_cache_get(c, 2, 0, &x, NULL, 0, NULL), WS_ERR_BUSY);
+    ws_expert_key keys[2] = {{2, 1}, {2, 2}};
+    ws_prefetch_report r;
+    EXPECT(ws_expert_cache_prefetch(c, keys, 2, &r), WS_OK);
+    CHECK(r.started == 0 && r.refused == 2, "prefetch refused %llu", (unsigned long long)r.refused);
+    EXPECT(ws_expert_cache_get(c, 99, 0, &x, NULL, 0, NULL), WS_ERR_FORMAT);
+    EXPECT(ws_expert_cache_get(c, 0, 0, NULL, NULL, 0, NULL), WS_ERR_NULL);
+    EXPECT(ws_expert_cache_prefetch(c, NULL, 1, &r), WS_ERR_NULL);
+    ws_cache_stats st;
+    EXPECT(ws_expert_cache_stats(c, &st), WS_OK);
+    CHECK(st.hits == 2 && st.misses == 3 && st.pinned == 2 && st.prefetch_refused == 2,
+          "hits %llu misses %llu pinned %llu", (unsigned long long)st.hits, (unsigned long long)st.misses,
+          (unsigned long long)st.pinned);
+    char *json = NULL;
+    EXPECT(ws_expert_cache_stats_json(c, &json), WS_OK);
+    CHECK(json && strstr(json, "\"bytes_read_per_drive\""), "json: %s", json ? json : "NULL");
+    ws_string_free(json);
+    EXPECT(ws_expert_cache_destroy(c), WS_OK);
+    EXPECT(ws_expert_cache_destroy(c), WS_ERR_HANDLE);
+    /* Held past the destroy: still the file's bytes. */
+    EXPECT(ws_expert_parts(b, parts, 8, &n), WS_OK);
+    check_expert(m, parts, n, 0, 3);
+    EXPECT(ws_expert_release(a), WS_OK);
+    EXPECT(ws_expert_release(b), WS_OK);
+}
+
 int main(int argc, char **argv) {
     if (argc != 7) {
         fprintf(stderr, "usage: %s MODEL_DIR MIRROR_DIR SPLIT_PRIMARY SPLIT_EXTRA BAD_HEADER_DIR REFERENCE_DIR\n", argv[0]);
@@ -840,6 +912,7 @@ int main(int argc, char **argv) {
     test_arenas(m, e);
     test_fork(m);
     test_threads(m, e);
+    test_expert_cache(m);
     test_refused_shutdown(m);
     /* The reference writer's shards: odd sizes, tensors under a block and
      * empty ones, an odd header length; every one placed and read in place. */
