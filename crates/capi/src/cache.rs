@@ -11,7 +11,7 @@ use crate::handles::Table;
 use crate::model::ModelObj;
 use crate::status::{guard, ws_status, Fail, Res};
 use crate::types::{
-    ws_engine_options, ws_expert, ws_expert_cache, ws_expert_cache_options, ws_cache_stats, ws_expert_key,
+    ws_cache_stats, ws_engine_options, ws_expert, ws_expert_cache, ws_expert_cache_options, ws_expert_key,
     ws_expert_part, ws_model, ws_prefetch_report, WS_CACHE_LFU, WS_CACHE_LRU,
 };
 use crate::util::{invalid, malloc_string, null, options, put, MAX_BATCH};
