@@ -1,4 +1,4 @@
-//! The failure model (docs/architecture.md, "Failure model"): what happens
+//! The failure model (docs/failure-model.md): what happens
 //! to memory in flight, tickets, the engine and the caller when an I/O
 //! thread dies, a waker panics, io_uring_enter keeps failing, an arena is
 //! dropped from a ring thread, or the engine is stopped with reads in the

@@ -256,7 +256,7 @@ impl LoadOptions {
     /// Register the mapping with the rings as fixed buffers before reading
     /// (default: off). Registration pins, and so faults in, every page, one
     /// ring after another, before the first read: for memory read into
-    /// once it costs more than it saves (see `docs/architecture.md`).
+    /// once it costs more than it saves (see `docs/contracts.md`).
     pub fn register(mut self, register: bool) -> Self {
         self.register = register;
         self

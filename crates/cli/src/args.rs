@@ -11,8 +11,6 @@ use std::path::{Path, PathBuf};
 
 use weightstream::__internal::escape;
 
-use crate::cli::parse_bytes;
-
 /// A count flag within `lo..=hi` (clap says the range when refused).
 pub(crate) fn count(lo: u64, hi: u64) -> clap::builder::RangedU64ValueParser<usize> {
     clap::builder::RangedU64ValueParser::<usize>::new().range(lo..=hi)
@@ -299,6 +297,41 @@ pub(crate) fn alloc_flags(e: weightstream::Error, flags: &str) -> weightstream::
         }
         _ => e,
     }
+}
+
+/// A size: `4GiB`, `300MB`, `1048576`, `1.5GiB`; refused when it does not
+/// fit in u64.
+pub(crate) fn parse_bytes(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let expected = || format!("{s:?}: expected a size such as 4GiB, 300MB or 1048576");
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" => 1_000,
+        "kib" => 1 << 10,
+        "m" | "mb" => 1_000_000,
+        "mib" => 1 << 20,
+        "g" | "gb" => 1_000_000_000,
+        "gib" => 1 << 30,
+        "t" | "tb" => 1_000_000_000_000,
+        "tib" => 1 << 40,
+        "p" | "pb" => 1_000_000_000_000_000,
+        "pib" => 1 << 50,
+        u => return Err(format!("{s:?}: unknown unit {u:?}")),
+    };
+    let too_large = || format!("{s:?}: more than {} bytes", u64::MAX);
+    if !num.contains('.') {
+        // Whole numbers exactly (u64::MAX itself is a size).
+        let n: u128 = num.parse().map_err(|_| expected())?;
+        return u64::try_from(n.checked_mul(mult as u128).ok_or_else(too_large)?).map_err(|_| too_large());
+    }
+    let b = num.parse::<f64>().map_err(|_| expected())? * mult as f64;
+    // u64::MAX as f64 rounds up to 2^64: anything at or past it does not fit.
+    if !b.is_finite() || b >= u64::MAX as f64 {
+        return Err(too_large());
+    }
+    Ok(b as u64)
 }
 
 #[cfg(test)]

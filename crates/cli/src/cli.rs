@@ -47,6 +47,8 @@ pub(crate) struct Cli {
 
 #[derive(Subcommand)]
 pub(crate) enum Cmd {
+    /// Shards, tensors, bytes, and each file's drive and O_DIRECT alignment.
+    ///
     /// Shards, tensors, bytes, and for each file its filesystem, device, O_DIRECT alignment and whether O_DIRECT opens.
     Inspect {
         #[arg(value_parser = non_empty_path())]
@@ -59,6 +61,8 @@ pub(crate) enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// sha256 of every tensor (or the named ones), in sha256sum format.
+    ///
     /// sha256 of every tensor (or the named ones), read through the in-place path; sha256sum format, sorted by name.
     Digest {
         #[arg(value_parser = non_empty_path())]
@@ -76,6 +80,8 @@ pub(crate) enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Re-check a model's files and copies; compare with an earlier record.
+    ///
     /// Re-check a model's files: each copy opened, proven and re-read (header), with --digest every tensor
     /// of every copy hashed (mirror copies compared with the primary), with --against compared with an
     /// earlier `verify --json` record (inode, size, ctime, header, digests). A placed model (`place`) is first
@@ -98,6 +104,8 @@ pub(crate) enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Place a model across drives: mirror, split, or one file per layer.
+    ///
     /// Place a model across drives: a full copy on each root (mirror), its shards spread over the roots
     /// (split), or re-sharded into one file per decoder layer, layer i on root i mod N (layers). Each root gets
     /// a private per-model folder; files are written O_DIRECT under temporary names, then the layout index is
@@ -121,6 +129,8 @@ pub(crate) enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// The device ceiling: the best of a sweep of O_DIRECT reads per drive.
+    ///
     /// The device ceiling: a sweep of O_DIRECT io_uring read configurations (block size, depth, readers,
     /// inline or async submission, plain or registered buffers) on each drive alone, the best and the
     /// configuration that reached it per drive, then all drives at once with their best.
@@ -159,6 +169,8 @@ pub(crate) enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Load a whole model into memory; report speed, CPU and memory.
+    ///
     /// Load every tensor (or those named) into memory and report how fast, with how much CPU, peak
     /// memory and page-cache growth: weightstream's load_all (one mapping, payloads aligned for their
     /// dtype, O_DIRECT in place), or the loaders it replaces, for comparison.
@@ -215,6 +227,8 @@ pub(crate) enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// The load ceiling: fio's best read and the fault-in of fresh memory.
+    ///
     /// The load ceiling of a model on this machine: the model's bytes over the largest of fio's best read of its
     /// files (a sweep, all drives at once), the fastest fault-in of as much fresh memory (MADV_POPULATE_WRITE on
     /// every CPU, 4 KiB and huge pages), and both their busy CPU (/proc/stat) spread over the CPUs. A whole-model
@@ -238,6 +252,8 @@ pub(crate) enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Write a synthetic MoE model (deterministic content from a seed).
+    ///
     /// Write a synthetic MoE model (safetensors' own serializer; deterministic content from a seed).
     /// The model must fit on the target volume and its largest tensor in memory: checked before anything is
     /// written.
@@ -263,6 +279,8 @@ pub(crate) enum Cmd {
         #[arg(long, default_value_t = 0x5eed)]
         seed: u64,
     },
+    /// Read every expert through several arms; ratios to the device's ceiling.
+    ///
     /// Read every expert in a seeded random order through several arms, interleaved, cold cache; ratios to the
     /// ceiling and to fio's best in the same run.
     Bench {
@@ -316,6 +334,8 @@ pub(crate) enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Draw a benchmark chart (SVG) from a JSON spec.
+    ///
     /// Draw a chart for a benchmark record from a JSON spec: {"title", "xlabel", "ylabel",
     /// "series": [{"name", "points": [[x, y], ...]}]} (lines), or {"title", "unit", "bars": [[label, value], ...],
     /// "reference": y} (bars). Writes SVG.
@@ -327,10 +347,14 @@ pub(crate) enum Cmd {
         #[arg(value_parser = output_file())]
         out: PathBuf,
     },
+    /// The command line's own definition as JSON.
+    ///
     /// The command line's own definition as JSON: every command, its arguments and their values (for the
     /// argument test, which runs every command with hostile values for each).
     #[command(hide = true, name = "cli-tree")]
     CliTree,
+    /// Write a synthetic MoE model, read and verify every expert, remove it.
+    ///
     /// Write a synthetic MoE model, read every expert through weightstream, verify every byte, remove it.
     Demo {
         /// Where to write the model (default: a temporary directory).
@@ -616,37 +640,34 @@ fn parse_submit(s: &str) -> Result<SubmitMode, String> {
     s.parse().map_err(|e: weightstream::Error| e.to_string())
 }
 
-/// A size: `4GiB`, `300MB`, `1048576`, `1.5GiB`; refused when it does not
-/// fit in u64.
-pub(crate) fn parse_bytes(s: &str) -> Result<u64, String> {
-    let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let expected = || format!("{s:?}: expected a size such as 4GiB, 300MB or 1048576");
-    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kb" => 1_000,
-        "kib" => 1 << 10,
-        "m" | "mb" => 1_000_000,
-        "mib" => 1 << 20,
-        "g" | "gb" => 1_000_000_000,
-        "gib" => 1 << 30,
-        "t" | "tb" => 1_000_000_000_000,
-        "tib" => 1 << 40,
-        "p" | "pb" => 1_000_000_000_000_000,
-        "pib" => 1 << 50,
-        u => return Err(format!("{s:?}: unknown unit {u:?}")),
-    };
-    let too_large = || format!("{s:?}: more than {} bytes", u64::MAX);
-    if !num.contains('.') {
-        // Whole numbers exactly (u64::MAX itself is a size).
-        let n: u128 = num.parse().map_err(|_| expected())?;
-        return u64::try_from(n.checked_mul(mult as u128).ok_or_else(too_large)?).map_err(|_| too_large());
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    /// Every command's summary in `--help`'s list is one line of at most 80
+    /// characters (the details are `help CMD` / `CMD --help`), all the way
+    /// down the command tree.
+    #[test]
+    fn every_summary_is_one_short_line() {
+        fn walk(c: &clap::Command, path: &str, bad: &mut Vec<String>, seen: &mut usize) {
+            for sub in c.get_subcommands() {
+                let name = format!("{path} {}", sub.get_name());
+                *seen += 1;
+                let about = sub.get_about().map(|s| s.to_string()).unwrap_or_default();
+                if about.is_empty() || about.contains('\n') || about.chars().count() > 80 {
+                    bad.push(format!("{name}: {} chars: {about:?}", about.chars().count()));
+                }
+                walk(sub, &name, bad, seen);
+            }
+        }
+        let (mut bad, mut seen) = (Vec::new(), 0);
+        walk(&Cli::command(), "weightstream", &mut bad, &mut seen);
+        assert!(seen >= 10, "only {seen} commands found");
+        assert!(
+            bad.is_empty(),
+            "summaries longer than one line of 80 characters:\n{}",
+            bad.join("\n")
+        );
     }
-    let b = num.parse::<f64>().map_err(|_| expected())? * mult as f64;
-    // u64::MAX as f64 rounds up to 2^64: anything at or past it does not fit.
-    if !b.is_finite() || b >= u64::MAX as f64 {
-        return Err(too_large());
-    }
-    Ok(b as u64)
 }

@@ -13,7 +13,7 @@
 //! CPU: fio's own `usr_cpu`/`sys_cpu` come from `getrusage(RUSAGE_THREAD)`
 //! of each job thread, which leaves out io-wq workers: with
 //! `--force_async=1` it reported 0.42 CPU s where the process used 4.0
-//! (docs/architecture.md). So the CPU figure here is the whole fio process
+//! (docs/contracts.md). So the CPU figure here is the whole fio process
 //! (`getrusage(RUSAGE_CHILDREN)` around the invocation), less the start-up
 //! CPU of an invocation that reads nothing; fio's own figure is kept beside
 //! it (`cpu_s_fio`).
@@ -95,7 +95,7 @@ impl std::str::FromStr for FioConfig {
                         _ => return Err(format!("rw={v}: read or randread")),
                     })
                 }
-                "bs" => bs = Some(crate::cli::parse_bytes(v).map_err(|e| format!("bs={v}: {e}"))?),
+                "bs" => bs = Some(crate::args::parse_bytes(v).map_err(|e| format!("bs={v}: {e}"))?),
                 "iodepth" => qd = Some(num(v)?),
                 "numjobs" => jobs = Some(num(v)?),
                 "force_async" => force_async = Some(flag(v)?),

@@ -183,7 +183,7 @@ impl SweepConfig {
     /// Eight configurations, each up to 1 GiB or 0.25 s: the baseline, a
     /// deep queue, two readers, async punt with registered buffers, and the
     /// large windows (4 MiB x 64) that won the full sweep on the virtio disk
-    /// (async + registered 4 MiB blocks won on zram; docs/architecture.md).
+    /// (async + registered 4 MiB blocks won on zram; docs/contracts.md).
     pub fn quick() -> Self {
         let c = |bs: usize, qd: usize, readers: usize, submit: Submit, buffers: Buffers| ReadConfig {
             bs,

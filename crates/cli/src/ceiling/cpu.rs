@@ -4,7 +4,7 @@
 
 /// CPU seconds (user, system) this process has used so far, all threads
 /// (`getrusage(RUSAGE_SELF)`: io_uring's io-wq workers and SQPOLL threads
-/// included, live or exited; see docs/architecture.md).
+/// included, live or exited; see docs/contracts.md).
 pub fn process_cpu() -> (f64, f64) {
     rusage(libc::RUSAGE_SELF)
 }

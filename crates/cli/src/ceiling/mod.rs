@@ -18,7 +18,7 @@
 //! in). Sequential and not random: the engine reads whole tensors (multi-MiB
 //! contiguous extents), O_DIRECT takes the page cache and its read-ahead out
 //! of the picture, and fio's `randread` and `read` reach the same figure on
-//! the drives measured here (docs/architecture.md). Each configuration is
+//! the drives measured here (docs/contracts.md). Each configuration is
 //! bounded twice: a byte cap and a time cap ([`SweepConfig::bytes`],
 //! [`SweepConfig::seconds`]); files smaller than the byte cap are read round
 //! again (every pass is a device read: O_DIRECT), and each configuration
@@ -32,7 +32,7 @@
 //! every thread of the process, io_uring's io-wq workers (`iou-wrk-*`) and
 //! SQPOLL threads (`iou-sqp-*`) included; checked against
 //! `/proc/self/task/*/stat` (the `rusage_counts_io_wq_workers` test and
-//! docs/architecture.md).
+//! docs/contracts.md).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -240,7 +240,7 @@ mod tests {
     /// every read (1 MiB blocks, 32 in flight), so the work runs in io-wq
     /// workers, which stay alive with the calling thread to be seen in
     /// `/proc/self/task`; returns both accounts of the CPU used. The check
-    /// behind the claim that getrusage counts io-wq workers (docs/architecture.md).
+    /// behind the claim that getrusage counts io-wq workers (docs/contracts.md).
     fn cpu_accounting(path: &Path, seconds: f64) -> Result<CpuAccounting> {
         let drives = group(&[path.to_path_buf()])?;
         let d = &drives[0];
