@@ -255,6 +255,23 @@ enum PendingState {
     Done(std::result::Result<Arc<ExpertData>, CacheError>),
 }
 
+/// Settles a read as failed if the thread that took its tickets unwinds
+/// before it settles them (forgotten on the normal path).
+struct Unwound<'a>(&'a Arc<Pending>);
+
+impl Drop for Unwound<'_> {
+    fn drop(&mut self) {
+        let p = self.0;
+        let mut s = p.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        *s = PendingState::Done(Err(CacheError::ReadFailed {
+            expert: format!("layer {} expert {}", p.key.0, p.key.1),
+            cause: "the thread waiting for the read unwound (a panic)".into(),
+        }));
+        drop(s);
+        p.settled.notify_all();
+    }
+}
+
 enum Entry {
     Loading(Arc<Pending>),
     Ready(Arc<ExpertData>),
@@ -711,7 +728,8 @@ impl ExpertCache {
     }
 
     /// Settles, without waiting, every entry in flight whose reads have
-    /// all landed and that nobody is waiting on.
+    /// all landed and that nobody is waiting on, and publishes those a
+    /// waiter settled.
     fn settle_landed(&self, st: &mut State) {
         let ready: Vec<Arc<Pending>> = st
             .map
@@ -723,6 +741,14 @@ impl ExpertCache {
             .collect();
         for p in ready {
             let mut s = p.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if let PendingState::Done(r) = &*s {
+                // Settled by a waiter that has not published it yet (or
+                // that unwound): publishing twice is harmless.
+                let r = r.clone();
+                drop(s);
+                self.publish(st, &p, r);
+                continue;
+            }
             let all = matches!(&*s, PendingState::Reads(t) if t.iter().all(|(_, t)| t.is_ready()));
             if !all {
                 continue;
@@ -761,8 +787,13 @@ impl ExpertCache {
                         unreachable!("matched above")
                     };
                     drop(s);
+                    // Should this thread unwind while it holds the reads,
+                    // the others waiting on them are told, never left
+                    // waiting.
+                    let guard = Unwound(p);
                     // No lock held while the reads land.
                     let r = self.resolve(p.key, tickets);
+                    std::mem::forget(guard);
                     {
                         let mut s = p.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
                         *s = PendingState::Done(r.clone());
