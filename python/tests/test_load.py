@@ -212,6 +212,10 @@ def test_ctrl_c_during_a_load_raises_keyboard_interrupt(tmp_path):
     # this one raises at once (none completed).
     code = f"""
 import os, signal, threading, time, weightstream
+# Python leaves SIGINT ignored when it starts with it ignored (a job a
+# non-interactive shell put in the background): Ctrl-C's handler, as a
+# terminal's Python has it.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 def loading():
     for t in os.listdir("/proc/self/task"):
         try:
