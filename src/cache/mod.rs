@@ -289,6 +289,19 @@ struct State {
     order: Order,
 }
 
+impl State {
+    /// The reads in flight (or settled and not yet published).
+    fn loading(&self) -> Vec<Arc<Pending>> {
+        self.map
+            .values()
+            .filter_map(|m| match &m.entry {
+                Entry::Loading(p) => Some(Arc::clone(p)),
+                Entry::Ready(_) => None,
+            })
+            .collect()
+    }
+}
+
 /// The parts of one expert, resolved once: (part arena, tensor).
 type Plan = Vec<(usize, TensorRef)>;
 
@@ -559,15 +572,7 @@ impl ExpertCache {
     /// measuring, or before dropping the cache at a quiet moment).
     pub fn wait_idle(&self) -> Result<()> {
         self.origin.check()?;
-        let pending: Vec<Arc<Pending>> = self
-            .lock()
-            .map
-            .values()
-            .filter_map(|m| match &m.entry {
-                Entry::Loading(p) => Some(Arc::clone(p)),
-                Entry::Ready(_) => None,
-            })
-            .collect();
+        let pending = self.lock().loading();
         for p in pending {
             // A failure is the getter's to see (and counted); nothing to do here.
             let _ = self.settle(&p);
@@ -731,15 +736,7 @@ impl ExpertCache {
     /// all landed and that nobody is waiting on, and publishes those a
     /// waiter settled.
     fn settle_landed(&self, st: &mut State) {
-        let ready: Vec<Arc<Pending>> = st
-            .map
-            .values()
-            .filter_map(|m| match &m.entry {
-                Entry::Loading(p) => Some(Arc::clone(p)),
-                Entry::Ready(_) => None,
-            })
-            .collect();
-        for p in ready {
+        for p in st.loading() {
             let mut s = p.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             if let PendingState::Done(r) = &*s {
                 // Settled by a waiter that has not published it yet (or
