@@ -275,25 +275,13 @@ fn pread_workers_and_a_ring_in_one_engine() {
         assert_eq!(st.backend, "uring");
         assert_eq!(md.rings, Some(1), "{md:?}");
     }
-    let arena = engine.arena(model.slot_spec_for_largest("").unwrap(), 8).unwrap();
-    let tensors = model.catalog().tensors();
-    for batch in tensors.chunks(8) {
-        let tickets: Vec<_> = batch
-            .iter()
-            .map(|t| engine.read(t, arena.take().unwrap()).unwrap())
-            .collect();
-        for (t, k) in batch.iter().zip(tickets) {
-            let l = k.wait().unwrap_or_else(|e| panic!("{}: {e}", t.name));
-            assert!(synth::verify(s.seed, &t.name, &l), "{}: wrong bytes", t.name);
-        }
-    }
+    read_all(&engine, &model, s.seed);
     let st = engine.stats();
     assert!(st.drives[0].chunks > 0 && st.drives[1].chunks > 0, "{:?}", st.drives);
     assert_eq!(st.drives[0].chunks_unregistered, 0, "{:?}", st.drives[0]);
     if st.backend == "uring" {
         assert_eq!(st.drives[1].chunks_unregistered, 0, "registered: {:?}", st.drives[1]);
     }
-    drop(arena);
     drop(engine);
     drop(model);
     drop((z, m));
