@@ -31,6 +31,7 @@ use std::time::{Duration, Instant};
 use weightstream::{
     simulate_lru, CacheConfig, Capacity, Engine, EngineConfig, ExpertCache, Model, ModelConfig, TensorRef,
 };
+use weightstream_synth::SplitMix64;
 
 struct Args {
     dir: String,
@@ -88,31 +89,16 @@ fn args() -> Result<Args, String> {
     Ok(a)
 }
 
-/// splitmix64: the trace's only source of randomness.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
-
 /// Per token, per layer, the top-k: Zipf(`s`) popularity over a per-layer
 /// permutation of the experts, and with probability `locality` an expert
 /// the same layer used for the previous token.
 fn make_trace(a: &Args, layers: usize, experts: usize) -> Vec<Vec<Vec<usize>>> {
-    let mut rng = Rng(a.seed);
+    let mut rng = SplitMix64(a.seed);
     let perms: Vec<Vec<usize>> = (0..layers)
         .map(|_| {
             let mut p: Vec<usize> = (0..experts).collect();
             for i in (1..p.len()).rev() {
-                p.swap(i, (rng.next() % (i as u64 + 1)) as usize);
+                p.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
             }
             p
         })
@@ -128,7 +114,7 @@ fn make_trace(a: &Args, layers: usize, experts: usize) -> Vec<Vec<Vec<usize>>> {
             let mut chosen: Vec<usize> = Vec::with_capacity(k);
             while chosen.len() < k {
                 let e = if !prev[l].is_empty() && rng.unit() < a.locality {
-                    prev[l][(rng.next() % prev[l].len() as u64) as usize]
+                    prev[l][(rng.next_u64() % prev[l].len() as u64) as usize]
                 } else {
                     let mut u = rng.unit() * total;
                     let mut r = 0;
@@ -152,13 +138,13 @@ fn make_trace(a: &Args, layers: usize, experts: usize) -> Vec<Vec<Vec<usize>>> {
 
 /// The predictor: each true expert of the next layer, or with probability
 /// `1 - accuracy` another one not in the set.
-fn predict(rng: &mut Rng, truth: &[usize], experts: usize, accuracy: f64) -> Vec<usize> {
+fn predict(rng: &mut SplitMix64, truth: &[usize], experts: usize, accuracy: f64) -> Vec<usize> {
     let mut out: Vec<usize> = Vec::with_capacity(truth.len());
     for &e in truth {
         let mut g = e;
         if rng.unit() >= accuracy {
             loop {
-                g = (rng.next() % experts as u64) as usize;
+                g = (rng.next_u64() % experts as u64) as usize;
                 if !truth.contains(&g) && !out.contains(&g) {
                     break;
                 }
@@ -234,7 +220,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let layers: Vec<usize> = experts_view.layers().map(|l| l.index()).collect();
     let per_layer = experts_view.layers().map(|l| l.expert_count()).min().unwrap_or(0);
     let trace = make_trace(&a, layers.len(), per_layer);
-    let mut prng = Rng(a.seed ^ 0x5eed);
+    let mut prng = SplitMix64(a.seed ^ 0x5eed);
     // The gets in order, for the LRU check.
     let gets: Vec<(usize, usize)> = trace
         .iter()

@@ -16,30 +16,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use weightstream::{Arena, BackendChoice, Engine, EngineConfig, Model, ModelConfig, TensorRef, Ticket};
-use weightstream_synth::{self as synth, SynthSpec};
+use weightstream_synth::{self as synth, SplitMix64, SynthSpec};
 
 const THREADS: usize = 4;
 const SLOTS: usize = 16;
 /// Reads each thread issues (and finishes): a fixed count, not a time, so
 /// a loaded machine runs the same mix, only slower.
 const READS_PER_THREAD: usize = 60;
-
-/// splitmix64: small, seeded, good enough to pick tensors and actions.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
 
 #[derive(Default)]
 struct Tally {
@@ -107,7 +90,7 @@ fn finish(seed: u64, t: &TensorRef, ticket: Ticket, how: usize, tally: &Tally) {
 }
 
 fn worker(engine: &Engine, arena: &Arena, tensors: &[TensorRef], seed: u64, thread_seed: u64, tally: &Tally) {
-    let mut rng = Rng(thread_seed);
+    let mut rng = SplitMix64(thread_seed);
     let mut held: VecDeque<(usize, Ticket)> = VecDeque::new();
     let mut issued = 0;
     while issued < READS_PER_THREAD || !held.is_empty() {
