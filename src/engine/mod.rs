@@ -66,6 +66,10 @@ pub enum Fault {
     /// Every later `io_uring_enter` of the drive's ring fails with this
     /// errno (0 clears the fault).
     EnterFails(i32),
+    /// `true`: the drive's I/O threads take no queued chunk (what they hold
+    /// completes) until `false` releases them; shutting down releases them
+    /// too. For tests that need reads queued and not yet taken.
+    HoldQueued(bool),
 }
 
 /// What a bounded [`Engine::shutdown`] achieved.
@@ -525,6 +529,11 @@ impl Engine {
             Fault::EnterFails(errno) => {
                 for q in lanes {
                     q.enter_fault.store(errno, Ordering::Relaxed);
+                }
+            }
+            Fault::HoldQueued(held) => {
+                for q in lanes {
+                    q.hold(held);
                 }
             }
         }

@@ -274,6 +274,11 @@ pub(crate) struct DriveQueue {
     /// Test-only: the drive's next I/O thread to look panics (a ring with
     /// its chunks in flight, a pread worker with a chunk in hand).
     pub(crate) panic_fault: AtomicBool,
+    /// Test-only (`Fault::HoldQueued`): the lane's I/O thread(s) take no
+    /// queued chunk (what they hold goes on) until released or shut down.
+    /// Written under `jobs`' lock, so a pread worker cannot miss the
+    /// release between its check and its wait.
+    pub(crate) held: AtomicBool,
     /// Chunks the drive's ring holds in the kernel (updated once per loop).
     pub(crate) in_kernel: std::sync::atomic::AtomicUsize,
     /// Pread workers still running (the last one to exit closes the queue).
@@ -297,6 +302,7 @@ impl DriveQueue {
             closed: AtomicBool::new(false),
             enter_fault: AtomicI32::new(0),
             panic_fault: AtomicBool::new(false),
+            held: AtomicBool::new(false),
             workers: std::sync::atomic::AtomicUsize::new(0),
             in_kernel: std::sync::atomic::AtomicUsize::new(0),
         }
@@ -312,6 +318,23 @@ impl DriveQueue {
             }
             None => self.ready.notify_all(),
         }
+    }
+
+    /// Test-only (`Fault::HoldQueued`): holds or releases the lane's queued
+    /// chunks, and wakes its thread(s) to look.
+    pub(crate) fn hold(&self, held: bool) {
+        {
+            let _jobs = lock(&self.jobs);
+            self.held.store(held, Ordering::Relaxed);
+        }
+        self.notify();
+    }
+
+    /// Whether the lane's thread(s) may take queued chunks now (call with
+    /// `jobs` locked): always once shutting down, so a held lane still
+    /// drains.
+    pub(crate) fn takes_queued(&self, jobs: &Jobs) -> bool {
+        jobs.shutdown || !self.held.load(Ordering::Relaxed)
     }
 
     /// Queues `job` (its credit already held) without waking anyone; hands

@@ -91,8 +91,10 @@ fn work(io: &Io, lane: usize) {
         let job = {
             let mut jobs = lock(&q.jobs);
             loop {
-                if let Some(j) = jobs.reads.pop_front() {
-                    break Some(j);
+                if q.takes_queued(&jobs) {
+                    if let Some(j) = jobs.reads.pop_front() {
+                        break Some(j);
+                    }
                 }
                 if jobs.shutdown {
                     break None;

@@ -577,9 +577,13 @@ impl RingThread {
             let budget = self.q.depth.saturating_sub(self.inflight);
             let (controls, shutdown, left) = {
                 let mut j = lock(&self.q.jobs);
-                let n = budget.min(j.reads.len());
+                // A held lane (test-only) takes nothing and, having nothing
+                // it may take, sleeps as an idle one does.
+                let takes = self.q.takes_queued(&j);
+                let n = if takes { budget.min(j.reads.len()) } else { 0 };
                 reads.extend(j.reads.drain(..n));
-                (std::mem::take(&mut j.control), j.shutdown, j.reads.len())
+                let left = if takes { j.reads.len() } else { 0 };
+                (std::mem::take(&mut j.control), j.shutdown, left)
             };
             for c in controls {
                 self.control(c);
