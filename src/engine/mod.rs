@@ -519,7 +519,7 @@ impl Engine {
     #[doc(hidden)]
     pub fn inject_fault(&self, drive: usize, fault: Fault) {
         // A panic takes one I/O thread (the drive's first lane); a failing
-        // io_uring_enter hits every ring of the drive.
+        // io_uring_enter hits every ring of the drive, a hold every lane.
         let lanes = &self.io.queues[self.io.lanes[drive].clone()];
         match fault {
             Fault::PanicIoThread => {
