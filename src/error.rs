@@ -300,9 +300,13 @@ pub enum Error {
     },
     /// A call that fills many destinations (`Engine::fill`) failed after
     /// its reads began: `source` is the first failure; `done` of `total`
-    /// destinations hold their whole payload, the others may be partly
-    /// written. Nothing is in flight when this is returned.
-    #[error("{source}; {done} of {total} destinations are complete, the others may be partly written")]
+    /// destinations hold their whole payload (`complete` says which), the
+    /// others (`incomplete` names them) may be partly written. Nothing is
+    /// in flight when this is returned.
+    #[error(
+        "{source}; {done} of {total} destinations are complete, the others may be partly written: {}",
+        list_names(incomplete)
+    )]
     Incomplete {
         /// The first failure.
         #[source]
@@ -311,6 +315,12 @@ pub enum Error {
         done: usize,
         /// Destinations asked for.
         total: usize,
+        /// The complete destinations: their indices in the call's list, in
+        /// order.
+        complete: Vec<usize>,
+        /// The names of the others (a slice's with its bounds), in the
+        /// call's order.
+        incomplete: Vec<String>,
     },
     /// A drive's I/O thread is gone (it stopped after a fault, or the
     /// engine is shutting down): reads that need it fail at once.
@@ -420,6 +430,24 @@ pub enum Error {
     /// ([`ExpertCache`](crate::ExpertCache)).
     #[error(transparent)]
     Cache(#[from] CacheError),
+}
+
+/// The most names an [`Error::Incomplete`] message lists (all of them are
+/// in its `incomplete`).
+const INCOMPLETE_SHOWN: usize = 8;
+
+/// `a, b, c` (and how many more), for [`Error::Incomplete`]'s message.
+fn list_names(names: &[String]) -> String {
+    let mut out = names
+        .iter()
+        .take(INCOMPLETE_SHOWN)
+        .map(escape)
+        .collect::<Vec<_>>()
+        .join(", ");
+    if names.len() > INCOMPLETE_SHOWN {
+        out.push_str(&format!(" and {} more", names.len() - INCOMPLETE_SHOWN));
+    }
+    out
 }
 
 /// The most names a [`Error::NoSuchTensor`] suggests.

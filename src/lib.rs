@@ -166,7 +166,8 @@ pub use config::{
 };
 pub use engine::{
     DrivePlacement, Engine, FillOptions, FillReport, FillTarget, Lent, LentLoaded, LentTicket, Loaded, Scratch,
-    ShutdownReport, SliceTicket, Ticket, DEFAULT_FILL_STAGING, MAX_FILL_COPY_THREADS, SLICE_PIECE_BYTES,
+    ShutdownReport, SliceTicket, Ticket, DEFAULT_FILL_STAGING, FILL_COPY_THREADS_LIMIT, MAX_FILL_COPY_THREADS,
+    SLICE_PIECE_BYTES,
 };
 pub use error::{CacheError, Error, ExpertsError, HeaderError, Result, SUGGESTIONS};
 pub use format::catalog::{Catalog, ShardInfo, TensorRef};

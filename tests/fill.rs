@@ -427,10 +427,10 @@ fn misuse_is_refused_before_anything_is_read() {
 }
 
 #[test]
-fn a_shard_cut_short_fails_saying_how_many_destinations_are_complete() {
+fn a_shard_cut_short_fails_saying_which_destinations_are_complete() {
     let tmp = common::tempdir();
     let dir = tmp.path().join("awkward");
-    let (_, placed) = awkward(&dir);
+    let (file, placed) = awkward(&dir);
     for backend in common::engine_backend_choices() {
         let model = Model::open(ModelConfig::new(&dir)).unwrap();
         let e = engine(&model, backend);
@@ -458,7 +458,14 @@ fn a_shard_cut_short_fails_saying_how_many_destinations_are_complete() {
                 },
             )
             .unwrap_err();
-        let Error::Incomplete { done, total, .. } = &err else {
+        let Error::Incomplete {
+            done,
+            total,
+            complete,
+            incomplete,
+            ..
+        } = &err
+        else {
             panic!("{backend:?}: {err:?}")
         };
         assert_eq!(*total, tensors.len());
@@ -466,6 +473,26 @@ fn a_shard_cut_short_fails_saying_how_many_destinations_are_complete() {
         // after it (but the empty one) cannot be.
         assert!(*done <= 5, "{backend:?}: {err}");
         assert!(err.to_string().contains("partly written"), "{err}");
+        // Which ones: the complete ones by index, each holding its bytes;
+        // the others by name, in the message too.
+        assert_eq!(complete.len(), *done);
+        assert_eq!(complete.len() + incomplete.len(), *total);
+        for &i in complete {
+            let t = &tensors[i];
+            assert!(
+                bufs[i][..] == file[t.offset as usize..(t.offset + t.len) as usize],
+                "{}",
+                t.name
+            );
+            assert!(!incomplete.contains(&t.name));
+        }
+        for name in ["big", "tiny", "last"] {
+            assert!(
+                incomplete.iter().any(|n| n == name),
+                "{backend:?}: {name} in {incomplete:?}"
+            );
+            assert!(err.to_string().contains(name), "{err}");
+        }
         // Put the file back for the next backend.
         awkward(&dir);
     }
@@ -504,4 +531,145 @@ fn a_cancelled_fill_starts_no_read_after_it_and_says_so() {
     assert!(err.to_string().contains("cancelled"), "{err}");
     assert_eq!(e.stats().bytes, before, "no read started");
     assert!(bufs.iter().flatten().all(|&b| b == GUARD));
+}
+
+/// A shard of `n` U8 tensors growing slowly in size (`base + i * step`
+/// bytes), back to back.
+fn growing(dir: &std::path::Path, n: usize, base: u64, step: u64) -> Vec<(String, u64)> {
+    std::fs::create_dir_all(dir).unwrap();
+    let mut l = common::Layout::new(4096);
+    let mut at = 4096;
+    let mut out = Vec::new();
+    for i in 0..n {
+        let (name, len) = (format!("t{i:03}"), base + i as u64 * step);
+        l.place(&name, at, len);
+        out.push((name, len));
+        at += len;
+    }
+    l.write(&dir.join("model.safetensors"), 0x5eed);
+    out
+}
+
+/// Fills that each need a little more staging than the last, many calls
+/// of them, and several callers at once: the staging an engine maps for
+/// fills never exceeds the budget (the peak in its stats), and the bytes
+/// are the file's. (A fill used to map a new arena of exactly what it
+/// needed whenever no idle one was large enough, and keep them all: 32
+/// growing fills kept the sum of their sizes.)
+#[test]
+fn fill_staging_stays_within_the_budget_whatever_the_sizes_calls_and_callers() {
+    let tmp = common::tempdir();
+    let dir = tmp.path().join("growing");
+    let tensors = growing(&dir, 32, 300_000, 40_000);
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let model = Model::open(ModelConfig::new(&dir)).unwrap();
+    let budget = 4 << 20;
+    let opts = FillOptions {
+        staging_bytes: budget,
+        in_place: false,
+        ..FillOptions::default()
+    };
+    let fill_one = |e: &Engine, name: &str| {
+        let t = model.tensor(name).unwrap();
+        let mut dest = vec![GUARD; t.len as usize];
+        e.fill(vec![FillTarget::tensor(t, &mut dest)], &opts).unwrap();
+        assert!(
+            dest[..] == bytes[t.offset as usize..(t.offset + t.len) as usize],
+            "{name}"
+        );
+    };
+    for backend in common::engine_backend_choices() {
+        let e = engine(&model, backend);
+        // Growing sizes, one tensor a call, ten rounds.
+        for _ in 0..10 {
+            for (name, _) in &tensors {
+                fill_one(&e, name);
+            }
+        }
+        let st = e.stats().staged;
+        assert!(
+            st.staging_peak_bytes <= budget as u64 && st.staging_bytes <= budget as u64,
+            "{backend:?}: {st:?} (budget {budget})"
+        );
+        // Four callers at once, each over every tensor.
+        std::thread::scope(|s| {
+            for k in 0..4 {
+                let (e, tensors, fill_one) = (&e, &tensors, &fill_one);
+                s.spawn(move || {
+                    for (name, _) in tensors.iter().skip(k).step_by(2) {
+                        fill_one(e, name);
+                    }
+                });
+            }
+        });
+        // And one call of them all.
+        let all: Vec<TensorRef> = tensors.iter().map(|(n, _)| model.tensor(n).unwrap().clone()).collect();
+        let mut bufs: Vec<Vec<u8>> = all.iter().map(|t| vec![GUARD; t.len as usize]).collect();
+        e.fill(
+            bufs.iter_mut()
+                .zip(&all)
+                .map(|(b, t)| FillTarget::tensor(t, b))
+                .collect(),
+            &opts,
+        )
+        .unwrap();
+        for (t, b) in all.iter().zip(&bufs) {
+            assert!(
+                b[..] == bytes[t.offset as usize..(t.offset + t.len) as usize],
+                "{}",
+                t.name
+            );
+        }
+        let st = e.stats().staged;
+        assert!(
+            st.staging_peak_bytes <= budget as u64,
+            "{backend:?}: concurrent fills mapped {st:?} (budget {budget})"
+        );
+    }
+}
+
+/// Copy threads: more than the limit is refused before anything is read,
+/// and a fill never starts more threads than it has staged pieces.
+#[test]
+fn copy_threads_are_bounded_by_the_limit_and_by_the_pieces() {
+    let tmp = common::tempdir();
+    let dir = tmp.path().join("growing");
+    let tensors = growing(&dir, 2, 4 << 20, 0);
+    let model = Model::open(ModelConfig::new(&dir)).unwrap();
+    let e = engine(&model, BackendChoice::Auto);
+    let t = model.tensor(&tensors[0].0).unwrap();
+    let mut dest = vec![GUARD; t.len as usize];
+    let before = e.stats().bytes;
+    let err = e
+        .fill(
+            vec![FillTarget::tensor(t, &mut dest)],
+            &FillOptions {
+                copy_threads: Some(weightstream::FILL_COPY_THREADS_LIMIT + 1),
+                ..FillOptions::default()
+            },
+        )
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains(&weightstream::FILL_COPY_THREADS_LIMIT.to_string()),
+        "{err}"
+    );
+    assert_eq!(e.stats().bytes, before, "nothing was read");
+    let r = e
+        .fill(
+            vec![FillTarget::tensor(t, &mut dest)],
+            &FillOptions {
+                copy_threads: Some(weightstream::FILL_COPY_THREADS_LIMIT),
+                in_place: false,
+                ..FillOptions::default()
+            },
+        )
+        .unwrap();
+    assert!(r.staged_reads > 0);
+    assert!(
+        r.copy_threads as u64 <= r.staged_reads,
+        "{} copy threads for {} pieces",
+        r.copy_threads,
+        r.staged_reads
+    );
 }

@@ -38,7 +38,7 @@ use std::time::{Duration, Instant};
 
 use crate::config::DirectMode;
 use crate::engine::slice::SLICE_PIECE_BYTES;
-use crate::engine::staging::thread_cpu_ns;
+use crate::engine::staging::{thread_cpu_ns, FillStaging};
 use crate::engine::ticket::Ticket;
 use crate::engine::Engine;
 use crate::error::{Error, Result};
@@ -57,6 +57,11 @@ pub const DEFAULT_FILL_STAGING: usize = 32 << 20;
 /// The most copy threads a fill starts by default.
 pub const MAX_FILL_COPY_THREADS: usize = 8;
 
+/// The most copy threads a fill may be asked for
+/// ([`FillOptions::copy_threads`]); more is refused before anything is
+/// read. The same bound holds in C (`ws_fill`) and Python (`load_into`).
+pub const FILL_COPY_THREADS_LIMIT: usize = 256;
+
 /// How [`Engine::fill`] reads.
 #[derive(Debug, Clone)]
 pub struct FillOptions {
@@ -69,6 +74,8 @@ pub struct FillOptions {
     /// thread (which copies too when the staging is full). `None`: the
     /// CPUs the engine's I/O threads leave spare, at least 1, at most
     /// [`MAX_FILL_COPY_THREADS`]. `Some(0)`: the calling thread alone.
+    /// Never more than the fill has staged pieces; more than
+    /// [`FILL_COPY_THREADS_LIMIT`] is refused.
     pub copy_threads: Option<usize>,
     /// Reads in place where a destination is in phase (the default).
     /// `false` sends every byte through staging and one copy: for memory
@@ -264,6 +271,8 @@ struct Job {
     target: usize,
     copy: Copy,
     bytes: u64,
+    /// Bytes of staging its slot takes (its window).
+    staged: usize,
 }
 
 #[derive(Default)]
@@ -275,6 +284,9 @@ struct State {
     closed: bool,
     /// Jobs finished (their staging back), ever.
     finished: u64,
+    /// Bytes of staging this fill's pieces hold now (at most its lease's
+    /// budget, but for a single piece).
+    staged: usize,
     error: Option<Error>,
 }
 
@@ -284,6 +296,9 @@ struct Shared<'s> {
     /// Signalled when a job is queued, finished, or the queue closes.
     changed: Condvar,
     slices: &'s [TensorSlice],
+    /// The engine's fill staging, told when a piece's staging comes back
+    /// (other fills may be waiting for room).
+    pool: &'s FillStaging,
     /// Units left per target (a target is complete at 0).
     left: Vec<AtomicUsize>,
     copy_ns: AtomicU64,
@@ -307,6 +322,7 @@ impl Shared<'_> {
             target,
             copy,
             bytes,
+            staged,
         } = job;
         let got = ticket.wait();
         let err = match got {
@@ -328,11 +344,13 @@ impl Shared<'_> {
         let mut st = self.lock();
         st.busy -= 1;
         st.finished += 1;
+        st.staged -= staged;
         if let Some(e) = err {
             st.error.get_or_insert(e);
         }
         drop(st);
         self.changed.notify_all();
+        self.pool.piece_back();
     }
 
     fn copy(&self, copy: &Copy, src: &[u8]) {
@@ -433,6 +451,11 @@ impl Engine {
     pub fn fill(&self, targets: Vec<FillTarget<'_>>, opts: &FillOptions) -> Result<FillReport> {
         self.origin.check()?;
         let t0 = Instant::now();
+        if let Some(n) = opts.copy_threads.filter(|&n| n > FILL_COPY_THREADS_LIMIT) {
+            return Err(Error::Config(format!(
+                "fill: {n} copy threads asked for; at most {FILL_COPY_THREADS_LIMIT} (FillOptions::copy_threads)"
+            )));
+        }
         self.check_targets(&targets)?;
         let align = self.direct_align();
         let piece_bytes = fill_piece_bytes(opts.staging_bytes, align);
@@ -500,29 +523,39 @@ impl Engine {
                 c.read.fetch_add(plan.read, Ordering::Relaxed);
             }
         }
-        let staging = if report.staged_reads > 0 {
-            Some(self.staging.borrow_idle(staging_bytes).map_or_else(
-                || {
-                    let a = self.packed_arena(staging_bytes, false).map_err(|e| {
+        // The budget this call may fill the shared staging up to (at least
+        // two of its pieces), and the largest piece's window.
+        let cap = opts
+            .staging_bytes
+            .max(2 * (piece_bytes + align))
+            .max(largest)
+            .div_ceil(align)
+            .saturating_mul(align);
+        let lease = if report.staged_reads > 0 {
+            let lease = self
+                .staging
+                .fill
+                .lease(&self.staging.counters, staging_bytes, cap, largest, |bytes| {
+                    self.packed_arena(bytes, false).map_err(|e| {
                         e.size_set_by("FillOptions::staging_bytes (the staging a fill keeps in flight)".to_string())
-                    })?;
-                    self.staging.count_mapped(&a);
-                    Ok::<_, Error>(a)
-                },
-                Ok,
-            )?)
+                    })
+                })?;
+            report.staging_bytes = lease.budget;
+            Some(lease)
         } else {
             None
         };
-        report.copy_threads = if report.staged_reads == 0 {
-            0
-        } else {
-            opts.copy_threads.unwrap_or_else(|| self.default_copy_threads())
-        };
+        // Never more copy threads than pieces to copy (the calling thread
+        // copies too).
+        report.copy_threads = opts
+            .copy_threads
+            .unwrap_or_else(|| self.default_copy_threads())
+            .min(report.staged_reads as usize);
         let shared = Shared {
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
             slices: &slices,
+            pool: &self.staging.fill,
             left: std::mem::take(&mut left),
             copy_ns: AtomicU64::new(0),
             copied: AtomicU64::new(0),
@@ -586,14 +619,21 @@ impl Engine {
                         copy,
                         lands,
                     } => {
-                        let arena = staging.as_ref().expect("mapped when any unit is staged");
+                        let lease = lease.as_ref().expect("leased when any unit is staged");
                         let pad = (read.offset % align as u64) as usize;
                         let want = window_bytes(pad, read.len, align).unwrap_or(usize::MAX);
                         let spec = SlotSpec::new(read.len as usize).with_align(align).with_tail_room(true);
                         let slot = loop {
-                            let seen = shared.lock().finished;
-                            if let Some(s) = arena.take_window(want, spec) {
-                                break Some(s);
+                            let (seen, within) = {
+                                let st = shared.lock();
+                                (st.finished, st.staged == 0 || st.staged + want <= lease.budget)
+                            };
+                            let others_seen = lease.pool_returned();
+                            if within {
+                                if let Some(s) = lease.arena.take_window(want, spec) {
+                                    shared.lock().staged += want;
+                                    break Some(s);
+                                }
                             }
                             report.staging_waits += 1;
                             // The staging is full of pieces not yet
@@ -611,10 +651,17 @@ impl Engine {
                                 continue;
                             }
                             if st.busy == 0 && st.jobs.is_empty() {
+                                drop(st);
+                                if lease.shared() {
+                                    // This fill holds no staging: other
+                                    // fills' pieces fill the arena. Wait
+                                    // for one to come back.
+                                    lease.wait_returned(others_seen);
+                                    continue;
+                                }
                                 // Nothing holds staging, yet it has no
                                 // room: the plan's pieces are sized to
                                 // fit, so this is a bug, not a wait.
-                                drop(st);
                                 shared.lock().error.get_or_insert(Error::Config(format!(
                                     "fill: tensor {}: a piece of {want} bytes found no room in {staging_bytes} bytes of idle staging",
                                     read.name
@@ -630,6 +677,7 @@ impl Engine {
                                 target,
                                 copy,
                                 bytes: lands,
+                                staged: want,
                             });
                             shared.changed.notify_one();
                         })
@@ -661,9 +709,8 @@ impl Engine {
             }
         }
         drop(settle);
-        if let Some(a) = staging {
-            self.staging.put_back(a);
-        }
+        // Every piece is back: the shared staging is free for other fills.
+        drop(lease);
         let copy_ns = shared.copy_ns.load(Ordering::Relaxed);
         let copied = shared.copied.load(Ordering::Relaxed);
         let c = &self.staging.counters;
@@ -673,11 +720,19 @@ impl Engine {
         report.copy_cpu_ns = copy_ns;
         let state = shared.state.into_inner().unwrap_or_else(|p| p.into_inner());
         if let Some(e) = state.error {
-            let done = shared.left.iter().filter(|l| l.load(Ordering::Acquire) == 0).count();
+            let complete: Vec<usize> = (0..targets.len())
+                .filter(|&i| shared.left[i].load(Ordering::Acquire) == 0)
+                .collect();
+            let incomplete: Vec<String> = (0..targets.len())
+                .filter(|&i| shared.left[i].load(Ordering::Acquire) != 0)
+                .map(|i| targets[i].label())
+                .collect();
             return Err(Error::Incomplete {
                 source: Box::new(e),
-                done,
+                done: complete.len(),
                 total: targets.len(),
+                complete,
+                incomplete,
             });
         }
         report.bytes = targets.iter().map(FillTarget::want).sum();

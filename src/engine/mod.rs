@@ -38,7 +38,9 @@ mod sync;
 mod ticket;
 mod warnings;
 
-pub use fill::{FillOptions, FillReport, FillTarget, DEFAULT_FILL_STAGING, MAX_FILL_COPY_THREADS};
+pub use fill::{
+    FillOptions, FillReport, FillTarget, DEFAULT_FILL_STAGING, FILL_COPY_THREADS_LIMIT, MAX_FILL_COPY_THREADS,
+};
 pub use lend::{Lent, LentLoaded, LentTicket, Scratch};
 use queue::{Control, Io};
 use registry::Registry;

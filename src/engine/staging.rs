@@ -4,8 +4,9 @@
 //! made on the thread that resolves the ticket.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 
+use crate::error::Result;
 use crate::memory::{Arena, Slot, SlotSpec};
 
 /// Engine-owned staging for reads whose address is out of phase, and for
@@ -13,11 +14,13 @@ use crate::memory::{Arena, Slot, SlotSpec};
 /// staged bytes in flight (each new one at least as large as all before
 /// it, so at most about twice that peak). A slice gives back what is idle
 /// beyond [`Staging::trim`]'s bound when it resolves; the rest is freed
-/// with the engine.
+/// with the engine. Fills have staging of their own ([`FillStaging`]).
 #[derive(Default)]
 pub(crate) struct Staging {
     pub(crate) arenas: Mutex<Vec<Arena>>,
     pub(crate) counters: Arc<StagingCounters>,
+    /// The one arena every `Engine::fill` of the engine shares.
+    pub(crate) fill: FillStaging,
 }
 
 /// Counters of staged reads (all threads).
@@ -52,33 +55,9 @@ impl Staging {
     /// and registered) and takes `want` bytes for `spec` from it.
     pub(crate) fn add(&self, arena: Arena, want: usize, spec: SlotSpec) -> Option<Slot> {
         let slot = arena.take_window(want, spec);
-        self.count_mapped(&arena);
+        self.counters.count_mapped(arena.bytes());
         lock(&self.arenas).push(arena);
         slot
-    }
-
-    /// An idle staging arena (no slot out) of at least `bytes`, taken out
-    /// of the pool for one caller's exclusive use (`Engine::fill`); the
-    /// smallest such. Still counted as mapped.
-    pub(crate) fn borrow_idle(&self, bytes: usize) -> Option<Arena> {
-        let mut arenas = lock(&self.arenas);
-        let i = (0..arenas.len())
-            .filter(|&i| arenas[i].is_empty() && arenas[i].bytes() >= bytes)
-            .min_by_key(|&i| arenas[i].bytes())?;
-        Some(arenas.swap_remove(i))
-    }
-
-    /// Counts `arena` (just mapped for staging, not yet in the pool) as
-    /// mapped.
-    pub(crate) fn count_mapped(&self, arena: &Arena) {
-        let now = self.counters.mapped.fetch_add(arena.bytes() as u64, Ordering::Relaxed) + arena.bytes() as u64;
-        self.counters.peak.fetch_max(now, Ordering::Relaxed);
-    }
-
-    /// Puts an arena from [`Staging::borrow_idle`] (or counted with
-    /// [`Staging::count_mapped`]) back in the pool, for later reads.
-    pub(crate) fn put_back(&self, arena: Arena) {
-        lock(&self.arenas).push(arena);
     }
 
     /// Unmaps idle staging arenas (no slot out) beyond `keep` bytes of idle
@@ -110,8 +89,181 @@ impl Staging {
     }
 }
 
+impl StagingCounters {
+    fn count_mapped(&self, bytes: usize) {
+        let now = self.mapped.fetch_add(bytes as u64, Ordering::Relaxed) + bytes as u64;
+        self.peak.fetch_max(now, Ordering::Relaxed);
+    }
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The staging of every `Engine::fill` of one engine: one registered
+/// packed arena that fills running at once share, each keeping at most its
+/// own budget of it in flight. The arena is never larger than the budget
+/// of the fills that use it (the largest budget among the fills running,
+/// else the last one's), whatever the order of sizes and calls: it is
+/// replaced (unmapped, then a new one mapped) only while no fill uses it,
+/// when a fill needs more than it has (it then grows to at least twice its
+/// size, within that fill's budget, so a run of slowly growing fills maps
+/// a few arenas, not one per call) or when it is larger than that fill's
+/// budget. A fill that needs more than the shared arena while others use
+/// it takes the smaller share; one whose largest piece would not fit
+/// waits until the others are done.
+#[derive(Default)]
+pub(crate) struct FillStaging {
+    state: Mutex<FillState>,
+    /// Signalled when staging comes back: a piece copied into place, a
+    /// fill done, a new arena mapped.
+    changed: Condvar,
+}
+
+#[derive(Default)]
+struct FillState {
+    arena: Option<Arena>,
+    /// Fills holding a lease on `arena`.
+    users: usize,
+    /// A fill is mapping a new arena (no lock held while it maps and
+    /// registers); the others wait for it.
+    mapping: bool,
+    /// Counts every return of staging: a waiter compares it with what it
+    /// saw before its last try, so it never misses one.
+    returned: u64,
+}
+
+/// One fill's use of the shared fill staging; given back on drop.
+pub(crate) struct FillLease<'a> {
+    pool: &'a FillStaging,
+    /// The shared arena.
+    pub(crate) arena: Arena,
+    /// The most of it this fill's pieces hold at once.
+    pub(crate) budget: usize,
+}
+
+impl FillStaging {
+    fn lock(&self) -> std::sync::MutexGuard<'_, FillState> {
+        lock(&self.state)
+    }
+
+    /// A lease for a fill that would use `want` bytes of staging (its
+    /// pieces in flight at once), within a budget of `cap` bytes, whose
+    /// largest piece takes `floor` bytes: the shared arena, or a new one
+    /// that `map` makes (`map` runs with no lock held; what it maps is
+    /// counted in `counters`, and uncounted when it is replaced).
+    pub(crate) fn lease(
+        &self,
+        counters: &StagingCounters,
+        want: usize,
+        cap: usize,
+        floor: usize,
+        map: impl FnOnce(usize) -> Result<Arena>,
+    ) -> Result<FillLease<'_>> {
+        let cap = cap.max(want);
+        let mut gone = None;
+        let mut st = self.lock();
+        let size = loop {
+            if st.mapping {
+                st = self.changed.wait(st).unwrap_or_else(|p| p.into_inner());
+                continue;
+            }
+            let Some(have) = st.arena.as_ref().map(Arena::bytes) else {
+                break want;
+            };
+            if st.users == 0 && (have < want || have > cap) {
+                gone = st.arena.take();
+                counters.mapped.fetch_sub(have as u64, Ordering::Relaxed);
+                break want.max(have.saturating_mul(2).min(cap));
+            }
+            if have >= floor && (have >= want || st.users > 0) {
+                st.users += 1;
+                let arena = st.arena.clone().expect("looked at above");
+                return Ok(FillLease {
+                    pool: self,
+                    arena,
+                    budget: want.min(have),
+                });
+            }
+            // Used by others and too small for this fill's largest piece:
+            // replaced once they are done.
+            st = self.changed.wait(st).unwrap_or_else(|p| p.into_inner());
+        };
+        st.mapping = true;
+        drop(st);
+        // The old arena goes with no lock held (its unregistration is
+        // queued on the rings, no round trip waited for).
+        drop(gone);
+        let made = map(size);
+        let mut st = self.lock();
+        st.mapping = false;
+        let out = made.map(|arena| {
+            counters.count_mapped(arena.bytes());
+            st.arena = Some(arena.clone());
+            st.users += 1;
+            FillLease {
+                pool: self,
+                budget: want.min(arena.bytes()),
+                arena,
+            }
+        });
+        drop(st);
+        self.changed.notify_all();
+        out
+    }
+
+    /// How many times staging came back so far (see [`FillStaging::wait_returned`]).
+    pub(crate) fn returned(&self) -> u64 {
+        self.lock().returned
+    }
+
+    /// Whether fills other than the caller (which holds a lease) use the
+    /// shared arena now.
+    pub(crate) fn shared(&self) -> bool {
+        self.lock().users > 1
+    }
+
+    /// Says that a piece's staging came back.
+    pub(crate) fn piece_back(&self) {
+        self.lock().returned += 1;
+        self.changed.notify_all();
+    }
+
+    /// Waits until staging came back since [`FillStaging::returned`] said
+    /// `seen`.
+    pub(crate) fn wait_returned(&self, seen: u64) {
+        let mut st = self.lock();
+        while st.returned == seen {
+            st = self.changed.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+}
+
+impl FillLease<'_> {
+    /// See [`FillStaging::returned`].
+    pub(crate) fn pool_returned(&self) -> u64 {
+        self.pool.returned()
+    }
+
+    /// See [`FillStaging::shared`].
+    pub(crate) fn shared(&self) -> bool {
+        self.pool.shared()
+    }
+
+    /// See [`FillStaging::wait_returned`].
+    pub(crate) fn wait_returned(&self, seen: u64) {
+        self.pool.wait_returned(seen)
+    }
+}
+
+impl Drop for FillLease<'_> {
+    fn drop(&mut self) {
+        let mut st = self.pool.lock();
+        st.users -= 1;
+        st.returned += 1;
+        drop(st);
+        self.pool.changed.notify_all();
+    }
 }
 
 /// A staged read's destination: the payload's exact bytes in the caller's

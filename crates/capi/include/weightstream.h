@@ -50,7 +50,7 @@
 #define WS_ABI_VERSION_MAJOR 1
 
 // The ABI's minor version: additions only.
-#define WS_ABI_VERSION_MINOR 2
+#define WS_ABI_VERSION_MINOR 3
 
 // `ws_fill_options.flags`: every byte through staging and one copy, none
 // read in place (memory the kernel must not write).
@@ -296,8 +296,16 @@ typedef struct ws_fill_options {
   // default (32 MiB).
   uint64_t staging_bytes;
   // Copy threads besides the calling thread; -1: the default (the CPUs
-  // the I/O threads leave spare, 1 to 8); 0: the calling thread alone.
+  // the I/O threads leave spare, 1 to 8); 0: the calling thread alone;
+  // at most 256, and never more than the call has staged pieces.
   int32_t copy_threads;
+  // NULL, or `count` bytes the call sets, one per target in order: 1
+  // when that target holds its whole payload, 0 when not. Written on
+  // every return once the options are read: all 1 on success, which
+  // targets are whole after a failed read, all 0 when the call is
+  // refused before reading. (ABI 1.3; a caller built against 1.2 has a
+  // smaller `struct_size` and no such field.)
+  uint8_t *complete;
 } ws_fill_options;
 
 // A range `[start, end)` of one dimension of a tensor (`ws_read_slice`).
@@ -625,7 +633,8 @@ struct ws_fill_options ws_fill_options_default(void);
 // be partly written. Either way the call returns only once nothing writes
 // any `dest` any more.
 //
-// `options` and `report` may be NULL.
+// `options` and `report` may be NULL; `options->complete` (NULL, or
+// `count` bytes) gets a flag per target: whole (1) or not (0).
 //
 // Thread safety: any number of threads may fill at once (distinct
 // destinations); the engine cannot be shut down during the call
@@ -636,7 +645,9 @@ struct ws_fill_options ws_fill_options_default(void);
 // each `bounds` valid for `ndims` reads; each `dest` is valid for `len`
 // byte writes and nothing else reads or writes it (no read of this
 // library into it in flight either) until the call returns; `options` is
-// NULL or a `ws_fill_options`; `report` is NULL or valid for a write.
+// NULL or a `ws_fill_options` (of ABI 1.1's size or this one's), whose
+// `complete` is NULL or valid for `count` byte writes and overlaps no
+// target; `report` is NULL or valid for a write.
 enum ws_status ws_fill(struct ws_engine engine,
                        const struct ws_fill_target *targets,
                        size_t count,

@@ -44,9 +44,20 @@ pub struct ws_fill_options {
     /// default (32 MiB).
     pub staging_bytes: u64,
     /// Copy threads besides the calling thread; -1: the default (the CPUs
-    /// the I/O threads leave spare, 1 to 8); 0: the calling thread alone.
+    /// the I/O threads leave spare, 1 to 8); 0: the calling thread alone;
+    /// at most 256, and never more than the call has staged pieces.
     pub copy_threads: i32,
+    /// NULL, or `count` bytes the call sets, one per target in order: 1
+    /// when that target holds its whole payload, 0 when not. Written on
+    /// every return once the options are read: all 1 on success, which
+    /// targets are whole after a failed read, all 0 when the call is
+    /// refused before reading. (ABI 1.3; a caller built against 1.2 has a
+    /// smaller `struct_size` and no such field.)
+    pub complete: *mut u8,
 }
+
+/// `sizeof(ws_fill_options)` in ABI 1.1 and 1.2, before `complete`.
+const FILL_OPTIONS_1_1: usize = std::mem::offset_of!(ws_fill_options, complete);
 
 /// What `ws_fill` did.
 #[repr(C)]
@@ -88,6 +99,7 @@ pub extern "C" fn ws_fill_options_default() -> ws_fill_options {
         flags: 0,
         staging_bytes: 0,
         copy_threads: -1,
+        complete: std::ptr::null_mut(),
     }
 }
 
@@ -104,8 +116,13 @@ fn fill_options(o: Option<ws_fill_options>) -> Res<ws::FillOptions> {
     }
     f.copy_threads = match o.copy_threads {
         -1 => None,
-        n if (0..=256).contains(&n) => Some(n as usize),
-        n => return Err(invalid(format!("options.copy_threads {n} (-1, or 0 to 256)"))),
+        n if (0..=ws::FILL_COPY_THREADS_LIMIT as i64).contains(&i64::from(n)) => Some(n as usize),
+        n => {
+            return Err(invalid(format!(
+                "options.copy_threads {n} (-1, or 0 to {})",
+                ws::FILL_COPY_THREADS_LIMIT
+            )))
+        }
     };
     Ok(f)
 }
@@ -126,7 +143,8 @@ fn fill_options(o: Option<ws_fill_options>) -> Res<ws::FillOptions> {
 /// be partly written. Either way the call returns only once nothing writes
 /// any `dest` any more.
 ///
-/// `options` and `report` may be NULL.
+/// `options` and `report` may be NULL; `options->complete` (NULL, or
+/// `count` bytes) gets a flag per target: whole (1) or not (0).
 ///
 /// Thread safety: any number of threads may fill at once (distinct
 /// destinations); the engine cannot be shut down during the call
@@ -137,7 +155,9 @@ fn fill_options(o: Option<ws_fill_options>) -> Res<ws::FillOptions> {
 /// each `bounds` valid for `ndims` reads; each `dest` is valid for `len`
 /// byte writes and nothing else reads or writes it (no read of this
 /// library into it in flight either) until the call returns; `options` is
-/// NULL or a `ws_fill_options`; `report` is NULL or valid for a write.
+/// NULL or a `ws_fill_options` (of ABI 1.1's size or this one's), whose
+/// `complete` is NULL or valid for `count` byte writes and overlaps no
+/// target; `report` is NULL or valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn ws_fill(
     engine: ws_engine,
@@ -151,7 +171,19 @@ pub unsafe extern "C" fn ws_fill(
             return Err(null("targets"));
         }
         // SAFETY: NULL or a ws_fill_options (the contract).
-        let opts = fill_options(unsafe { options_of(options) }?)?;
+        let given = unsafe { options_of(options) }?;
+        let complete = given.map_or(std::ptr::null_mut(), |o| o.complete);
+        let mark = |whole: &dyn Fn(usize) -> bool| {
+            if !complete.is_null() {
+                for i in 0..count {
+                    // SAFETY: non-NULL, valid for `count` byte writes (the
+                    // contract), and no target's memory.
+                    unsafe { complete.add(i).write(u8::from(whole(i))) };
+                }
+            }
+        };
+        mark(&|_| false);
+        let opts = fill_options(given)?;
         let e = ENGINES.get(engine.id)?;
         let list: &[ws_fill_target] = if count == 0 {
             &[]
@@ -190,6 +222,7 @@ pub unsafe extern "C" fn ws_fill(
         };
         match e.engine.fill(fill, &opts) {
             Ok(r) => {
+                mark(&|_| true);
                 put(ws_fill_report {
                     targets_complete: r.targets as u64,
                     bytes: r.bytes,
@@ -215,7 +248,10 @@ pub unsafe extern "C" fn ws_fill(
             }
             Err(err) => {
                 let done = match &err {
-                    ws::Error::Incomplete { done, .. } => *done as u64,
+                    ws::Error::Incomplete { complete, .. } => {
+                        mark(&|i| complete.binary_search(&i).is_ok());
+                        complete.len() as u64
+                    }
                     _ => 0,
                 };
                 put(ws_fill_report {
@@ -228,9 +264,24 @@ pub unsafe extern "C" fn ws_fill(
     })
 }
 
+/// The options, from a caller built against this header or against ABI
+/// 1.1 / 1.2 (its `struct_size` ends before `complete`, which is then NULL).
+///
 /// # Safety
-/// `p` is NULL or a `ws_fill_options`.
+/// `p` is NULL or a `ws_fill_options` of the size its `struct_size` says.
 unsafe fn options_of(p: *const ws_fill_options) -> Res<Option<ws_fill_options>> {
+    if !p.is_null() {
+        // SAFETY: every options struct starts with its u32 size (the contract).
+        let size = unsafe { p.cast::<u32>().read() } as usize;
+        if size == FILL_OPTIONS_1_1 {
+            let mut o = ws_fill_options_default();
+            // SAFETY: the caller has `size` bytes at `p` (the contract),
+            // copied over the fields they hold; `o` is a distinct local.
+            unsafe { std::ptr::copy_nonoverlapping(p.cast::<u8>(), (&raw mut o).cast::<u8>(), size) };
+            o.struct_size = std::mem::size_of::<ws_fill_options>() as u32;
+            return Ok(Some(o));
+        }
+    }
     // SAFETY: the contract above.
     unsafe { options(p, "options", "ws_fill_options_default()") }
 }

@@ -56,7 +56,7 @@ pub use util::ws_string_free;
 /// older header bumps it.
 pub const WS_ABI_VERSION_MAJOR: u32 = 1;
 /// The ABI's minor version: additions only.
-pub const WS_ABI_VERSION_MINOR: u32 = 2;
+pub const WS_ABI_VERSION_MINOR: u32 = 3;
 
 /// `(WS_ABI_VERSION_MAJOR << 16) | WS_ABI_VERSION_MINOR` of the library
 /// loaded at run time: compare its major with the header's.

@@ -17,6 +17,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -514,12 +515,18 @@ static void test_fill(ws_model m, ws_engine e) {
     targets[n] = (ws_fill_target){.name = info[big].name, .bounds = colb, .ndims = 2, .dest = mem + at[n], .len = slice_bytes};
     ws_fill_options opts = ws_fill_options_default();
     opts.staging_bytes = 1 << 20;
+    unsigned char *complete = malloc(n + 1);
+    opts.complete = complete;
     ws_fill_report rep;
     for (int staged = 0; staged < 2; staged++) {
         opts.flags = staged ? WS_FILL_STAGED : 0;
         memset(mem, 0xA5, len);
+        memset(complete, 7, n + 1);
         EXPECT(ws_fill(e, targets, n + 1, &opts, &rep), WS_OK);
         CHECK(rep.targets_complete == n + 1, "every destination complete");
+        int flagged = 1;
+        for (size_t i = 0; i <= n; i++) flagged = flagged && complete[i] == 1;
+        CHECK(flagged, "options.complete flags every destination whole");
         int same = 1;
         for (size_t i = 0; i < n && same; i++) same = same_as_file(&info[i], 0, info[i].bytes, mem + at[i]);
         CHECK(same, "every tensor equals the file (staged %d)", staged);
@@ -547,6 +554,23 @@ static void test_fill(ws_model m, ws_engine e) {
     bad.len += 1;
     EXPECT(ws_fill(e, &bad, 1, NULL, &rep), WS_ERR_INVALID);
     CHECK(strstr(ws_last_error(), info[0].name) != NULL, "names the tensor: %s", ws_last_error());
+    complete[0] = 7;
+    opts.flags = 0;
+    EXPECT(ws_fill(e, &bad, 1, &opts, &rep), WS_ERR_INVALID);
+    CHECK(complete[0] == 0, "a refused target is flagged not whole");
+    /* More copy threads than the one bound every path shares. */
+    ws_fill_options many = ws_fill_options_default();
+    many.copy_threads = 257;
+    EXPECT(ws_fill(e, targets, 1, &many, NULL), WS_ERR_INVALID);
+    CHECK(strstr(ws_last_error(), "256") != NULL, "names the bound: %s", ws_last_error());
+    /* A caller built against ABI 1.2 (no `complete`): its smaller struct
+     * is still taken. */
+    ws_fill_options old = ws_fill_options_default();
+    old.struct_size = (uint32_t)offsetof(ws_fill_options, complete);
+    old.complete = (unsigned char *)1; /* beyond its struct: never read */
+    EXPECT(ws_fill(e, targets, 1, &old, &rep), WS_OK);
+    CHECK(same_as_file(&info[0], 0, info[0].bytes, mem + at[0]), "filled through the 1.2 options");
+    memset(mem, 0xA5, len);
     ws_fill_target two[2] = {targets[0], targets[1]};
     two[1].dest = (unsigned char *)two[0].dest + 1;
     EXPECT(ws_fill(e, two, 2, NULL, NULL), WS_ERR_INVALID);
@@ -567,6 +591,7 @@ static void test_fill(ws_model m, ws_engine e) {
         if (mem[b] != 0xA5) { untouched = 0; break; }
     CHECK(untouched, "a refused fill writes nothing");
     munmap(mem, len);
+    free(complete);
     free(targets);
     free(info);
     free(at);
