@@ -286,3 +286,131 @@ fn a_handle_outlives_its_cache() {
     drop(h);
     check(&again, s.seed);
 }
+
+/// A refused `get_many` (every entry pinned or in flight) counts no hit
+/// and no miss, takes no prefetch's use and leaves the eviction order
+/// alone, however often it is repeated; a read such a call had started
+/// goes on as a prefetch. (Each refused call used to count the present
+/// experts as hits and move them to the front of the LRU order.)
+#[test]
+fn a_refused_get_many_counts_nothing_and_reorders_nothing() {
+    let (_tmp, model, s) = model(15);
+    let cache = ExpertCache::new(&model, CacheConfig::new(Capacity::Experts(3))).unwrap();
+    let h1 = cache.get(0, 1).unwrap();
+    let h0 = cache.get(0, 0).unwrap();
+    let before = cache.stats();
+    for _ in 0..50 {
+        // (0, 1) present, (0, 2) a miss that fits (the first time; then
+        // present), (0, 3) a miss with no room left: refused.
+        let e = cache.get_many(0, &[1, 2, 3]).unwrap_err();
+        assert!(matches!(e, Error::Cache(CacheError::Full { .. })), "{e}");
+    }
+    let after = cache.stats();
+    assert_eq!(
+        (after.hits, after.misses, after.prefetch_used),
+        (before.hits, before.misses, before.prefetch_used),
+        "refused calls counted gets: {before:?} -> {after:?}"
+    );
+    assert_eq!(
+        after.prefetched,
+        before.prefetched + 1,
+        "(0, 2) went on as a prefetch: {after:?}"
+    );
+    cache.wait_idle().unwrap();
+    drop((h1, h0));
+    // The order is (0, 1), (0, 0), (0, 2), oldest first, as before the
+    // refused calls: a new expert evicts (0, 1).
+    drop(cache.get(0, 5).unwrap());
+    check(&cache.get(0, 0).unwrap(), s.seed);
+    check(&cache.get(0, 2).unwrap(), s.seed);
+    let st = cache.stats();
+    assert_eq!(st.evictions, 1, "{st:?}");
+    assert_eq!(
+        (st.hits, st.misses, st.prefetch_used),
+        (before.hits + 2, before.misses + 1, 1),
+        "(0, 0) and the prefetched (0, 2) are hits: {st:?}"
+    );
+}
+
+/// A capacity above the model's routed experts maps only what they take:
+/// the stats say what was asked and what is held.
+#[test]
+fn a_capacity_above_the_routed_experts_is_clamped_and_said() {
+    let (_tmp, model, s) = model(16);
+    let routed = s.layers * s.experts;
+    let cache = ExpertCache::new(&model, CacheConfig::new(Capacity::Experts(100_000))).unwrap();
+    assert_eq!(cache.capacity(), routed);
+    let st = cache.stats();
+    assert_eq!((st.capacity, st.capacity_asked), (routed, 100_000));
+    // Every expert fits at once, and a byte budget is clamped the same way.
+    let all: Vec<ExpertHandle> = (0..s.layers)
+        .flat_map(|l| (0..s.experts).map(move |e| (l, e)))
+        .map(|(l, e)| cache.get(l, e).unwrap())
+        .collect();
+    all.iter().for_each(|h| check(h, s.seed));
+    let by_bytes = ExpertCache::new(&model, CacheConfig::new(Capacity::Bytes(1 << 40))).unwrap();
+    assert_eq!(by_bytes.capacity(), routed);
+    assert!(by_bytes.stats().capacity_asked > routed);
+}
+
+/// An expert whose first part fails while another part is still in the
+/// kernel (held on a second drive): the get fails at once, and until that
+/// part lands the cache says `Full` with it counted in flight, never
+/// "full" with nothing pinned or in flight; once it lands the slots are
+/// back. (The other part's ticket used to be dropped while in flight: its
+/// slot was held by nothing the cache could see, and every get said full.)
+#[test]
+fn a_failed_read_holds_its_slots_only_while_its_parts_are_in_flight() {
+    if !common::uring_available() {
+        return;
+    }
+    let Some(shm) = common::second_drive_tempdir() else {
+        return;
+    };
+    let tmp = common::tempdir();
+    let (a, b) = (tmp.path().join("primary"), shm.path().join("split"));
+    std::fs::create_dir_all(&a).unwrap();
+    std::fs::create_dir_all(&b).unwrap();
+    // w1 of each expert on the primary's drive, w2 on the second drive.
+    for (dir, proj) in [(&a, "w1"), (&b, "w2")] {
+        let mut l = common::Layout::new(4096);
+        for e in 0..2u64 {
+            l.place(
+                &format!("model.layers.0.mlp.experts.{e}.{proj}.weight"),
+                4096 + e * 40_000,
+                40_000,
+            );
+        }
+        l.write(&dir.join(format!("{proj}.safetensors")), 21);
+    }
+    let model = Model::open(ModelConfig::new(&a).dirs([&b])).unwrap();
+    let drive = |dir: &std::path::Path| {
+        let dev = common::st_dev(dir);
+        model.drives().iter().position(|d| d.dev == dev).unwrap()
+    };
+    let (da, db) = (drive(&a), drive(&b));
+    assert_ne!(da, db);
+    let config = CacheConfig::new(Capacity::Experts(1)).engine(EngineConfig::default().backend(BackendChoice::Uring));
+    let cache = ExpertCache::new(&model, config).unwrap();
+    cache.engine().inject_fault(db, Fault::HoldQueued(true));
+    cache.engine().inject_fault(da, Fault::EnterFails(libc::EIO));
+    // w1 (first) fails; w2 is queued on the held drive.
+    let e = cache.get(0, 0).unwrap_err();
+    assert!(matches!(e, Error::Cache(CacheError::ReadFailed { .. })), "{e}");
+    let full = cache.get(0, 1).unwrap_err();
+    match &full {
+        Error::Cache(CacheError::Full { pinned, loading, .. }) => {
+            assert_eq!(*pinned, 0, "{full}");
+            assert_eq!(*loading, 1, "the failed read's part in flight is counted: {full}");
+        }
+        other => panic!("{other}"),
+    }
+    cache.engine().inject_fault(db, Fault::HoldQueued(false));
+    cache.wait_idle().unwrap();
+    // Its slot is back: the next get gets room and starts its read (which
+    // fails again: drive A's ring stays broken), instead of "full".
+    let again = cache.get(0, 1).unwrap_err();
+    assert!(matches!(again, Error::Cache(CacheError::ReadFailed { .. })), "{again}");
+    let st = cache.stats();
+    assert_eq!((st.failed_reads, st.entries, st.pinned), (2, 0, 0), "{st:?}");
+}

@@ -112,8 +112,12 @@ impl CacheConfig {
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 #[non_exhaustive]
 pub struct CacheStats {
-    /// Entries the budget holds.
+    /// Entries the budget holds: what it asked for, or the model's routed
+    /// experts when it asked for more (nothing more is mapped).
     pub capacity: usize,
+    /// Entries the budget asked for ([`Capacity::Experts`], or what
+    /// [`Capacity::Bytes`] holds); above `capacity` when clamped.
+    pub capacity_asked: usize,
     /// Slot bytes one entry costs.
     pub entry_bytes: u64,
     /// Entries present now (landed or in flight).
@@ -287,6 +291,10 @@ struct Meta {
 struct State {
     map: HashMap<ExpertKey, Meta>,
     order: Order,
+    /// The reads still in the kernel of experts whose read failed (the
+    /// entry is gone; its other parts' slots come back as these land):
+    /// counted as in flight, so `Full` never means "nothing held".
+    draining: Vec<Vec<Ticket>>,
 }
 
 impl State {
@@ -355,6 +363,7 @@ pub struct ExpertCache {
     arenas: Vec<Arena>,
     part_names: Vec<(String, String)>,
     capacity: usize,
+    capacity_asked: usize,
     entry_bytes: u64,
     inherit_on_fork: bool,
     bytes_at_start: Vec<u64>,
@@ -417,10 +426,20 @@ impl ExpertCache {
         for s in &specs {
             entry_bytes += s.slot_len()? as u64;
         }
-        let capacity = match config.capacity {
+        let asked = match config.capacity {
             Capacity::Experts(n) => n,
-            Capacity::Bytes(b) => (b / entry_bytes.max(1)) as usize,
+            Capacity::Bytes(b) => usize::try_from(b / entry_bytes.max(1)).unwrap_or(usize::MAX),
         };
+        // No slot for an expert that does not exist: a budget above the
+        // routed experts maps (and registers) only what they take.
+        let capacity = asked.min(plans.len());
+        if capacity < asked {
+            tracing::info!(
+                "expert cache: a budget of {:?} holds {asked} experts; the model has {} routed experts, so {capacity} entries are mapped",
+                config.capacity,
+                plans.len()
+            );
+        }
         if capacity == 0 {
             return Err(CacheError::Config(format!(
                 "a budget of {:?} holds no whole expert (one entry costs {entry_bytes} bytes of slots)",
@@ -438,12 +457,14 @@ impl ExpertCache {
             state: Mutex::new(State {
                 map: HashMap::new(),
                 order: Order::new(config.policy, capacity),
+                draining: Vec::new(),
             }),
             counters: Counters::default(),
             plans,
             arenas,
             part_names,
             capacity,
+            capacity_asked: asked,
             entry_bytes,
             inherit_on_fork: config.inherit_on_fork,
             bytes_at_start,
@@ -502,7 +523,9 @@ impl ExpertCache {
         self.plan((layer, expert))?;
         let pending = {
             let mut st = self.lock();
-            match self.lookup(&mut st, (layer, expert), true)? {
+            let (found, hit) = self.lookup(&mut st, (layer, expert))?;
+            self.count_use(&mut st, (layer, expert), hit);
+            match found {
                 Ok(h) => return Ok(h),
                 Err(p) => p,
             }
@@ -514,8 +537,10 @@ impl ExpertCache {
     /// then each waited for; handles in the order asked.
     ///
     /// # Errors
-    /// As [`ExpertCache::get`]; on an error the reads already started go
-    /// on (their entries stay for later gets).
+    /// As [`ExpertCache::get`]. A call refused as [`CacheError::Full`]
+    /// counts no hit or miss and leaves the eviction order as it was; the
+    /// reads it had already started go on as prefetches (counted in
+    /// `prefetched`: a later get uses them).
     pub fn get_many(&self, layer: usize, experts: &[usize]) -> Result<Vec<ExpertHandle>> {
         self.origin.check()?;
         for &e in experts {
@@ -524,8 +549,28 @@ impl ExpertCache {
         let mut got: Vec<std::result::Result<ExpertHandle, Arc<Pending>>> = Vec::with_capacity(experts.len());
         {
             let mut st = self.lock();
+            let mut hits = Vec::with_capacity(experts.len());
             for &e in experts {
-                got.push(self.lookup(&mut st, (layer, e), true)?);
+                match self.lookup(&mut st, (layer, e)) {
+                    Ok((found, hit)) => {
+                        got.push(found);
+                        hits.push(hit);
+                    }
+                    Err(err) => {
+                        // Refused: the reads this call started become
+                        // prefetches; nothing is counted as a get.
+                        for (&e, _) in experts.iter().zip(&hits).filter(|(_, &hit)| !hit) {
+                            if let Some(m) = st.map.get_mut(&(layer, e)) {
+                                m.prefetched_unused = true;
+                                add(&self.counters.prefetched, 1);
+                            }
+                        }
+                        return Err(err);
+                    }
+                }
+            }
+            for (&e, &hit) in experts.iter().zip(&hits) {
+                self.count_use(&mut st, (layer, e), hit);
             }
         }
         got.into_iter()
@@ -577,6 +622,12 @@ impl ExpertCache {
             // A failure is the getter's to see (and counted); nothing to do here.
             let _ = self.settle(&p);
         }
+        // The parts of failed reads still in the kernel, waited for with no
+        // lock held: their slots are back when this returns.
+        let draining = std::mem::take(&mut self.lock().draining);
+        for t in draining.into_iter().flatten() {
+            let _ = t.wait();
+        }
         Ok(())
     }
 
@@ -599,6 +650,7 @@ impl ExpertCache {
         let drives = self.engine.stats().drives;
         CacheStats {
             capacity: self.capacity,
+            capacity_asked: self.capacity_asked,
             entry_bytes: self.entry_bytes,
             entries,
             pinned,
@@ -630,33 +682,40 @@ impl ExpertCache {
     }
 
     /// A present entry's handle (`Ok`), or the read to wait for (`Err`),
-    /// starting one on a miss. `get`: counts and marks the use.
+    /// starting one on a miss, and whether it was present. Nothing is
+    /// counted and no use is marked: a call counts its gets
+    /// ([`ExpertCache::count_use`]) only once it has them all.
     #[allow(clippy::type_complexity)]
     fn lookup(
         &self,
         st: &mut State,
         key: ExpertKey,
-        get: bool,
-    ) -> Result<std::result::Result<ExpertHandle, Arc<Pending>>> {
-        let c = &self.counters;
-        if let Some(m) = st.map.get_mut(&key) {
-            add(&c.hits, 1);
-            if std::mem::take(&mut m.prefetched_unused) {
-                add(&c.prefetch_used, 1);
-            }
+    ) -> Result<(std::result::Result<ExpertHandle, Arc<Pending>>, bool)> {
+        if let Some(m) = st.map.get(&key) {
             let out = match &m.entry {
                 Entry::Ready(d) => Ok(ExpertHandle { data: Arc::clone(d) }),
                 Entry::Loading(p) => Err(Arc::clone(p)),
             };
-            if get {
-                st.order.used(key);
-            }
-            return Ok(out);
+            return Ok((out, true));
         }
-        let p = self.start(st, key, false)?;
-        add(&c.misses, 1);
+        Ok((Err(self.start(st, key, false)?), false))
+    }
+
+    /// Counts a get that returns (a hit, or the miss that read it) and
+    /// marks the use in the eviction order.
+    fn count_use(&self, st: &mut State, key: ExpertKey, hit: bool) {
+        let c = &self.counters;
+        if hit {
+            add(&c.hits, 1);
+            if let Some(m) = st.map.get_mut(&key) {
+                if std::mem::take(&mut m.prefetched_unused) {
+                    add(&c.prefetch_used, 1);
+                }
+            }
+        } else {
+            add(&c.misses, 1);
+        }
         st.order.used(key);
-        Ok(Err(p))
     }
 
     /// Starts the read of `key` (absent) into free slots, evicting as the
@@ -704,7 +763,7 @@ impl ExpertCache {
         CacheError::Full {
             capacity: self.capacity,
             pinned: st.map.len() - loading,
-            loading,
+            loading: loading + st.draining.len(),
         }
         .into()
     }
@@ -714,6 +773,10 @@ impl ExpertCache {
     /// when none may go.
     fn evict_one(&self, st: &mut State) -> bool {
         self.settle_landed(st);
+        if Self::prune_drained(st) {
+            // A failed read's last parts landed: their slots are back.
+            return true;
+        }
         let map = &st.map;
         let victim = st
             .order
@@ -732,6 +795,14 @@ impl ExpertCache {
         true
     }
 
+    /// Drops the failed reads whose last parts have landed (their slots go
+    /// back to the arenas); whether any went.
+    fn prune_drained(st: &mut State) -> bool {
+        let before = st.draining.len();
+        st.draining.retain(|reads| !reads.iter().all(Ticket::is_ready));
+        st.draining.len() != before
+    }
+
     /// Settles, without waiting, every entry in flight whose reads have
     /// all landed and that nobody is waiting on, and publishes those a
     /// waiter settled.
@@ -743,7 +814,7 @@ impl ExpertCache {
                 // that unwound): publishing twice is harmless.
                 let r = r.clone();
                 drop(s);
-                self.publish(st, &p, r);
+                self.publish(st, &p, r, Vec::new());
                 continue;
             }
             let all = matches!(&*s, PendingState::Reads(t) if t.iter().all(|(_, t)| t.is_ready()));
@@ -753,11 +824,11 @@ impl ExpertCache {
             let PendingState::Reads(tickets) = std::mem::replace(&mut *s, PendingState::Taken) else {
                 continue;
             };
-            let r = self.resolve(p.key, tickets);
+            let (r, left) = self.resolve(p.key, tickets);
             *s = PendingState::Done(r.clone());
             drop(s);
             p.settled.notify_all();
-            self.publish(st, &p, r);
+            self.publish(st, &p, r, left);
         }
     }
 
@@ -789,7 +860,7 @@ impl ExpertCache {
                     // waiting.
                     let guard = Unwound(p);
                     // No lock held while the reads land.
-                    let r = self.resolve(p.key, tickets);
+                    let (r, left) = self.resolve(p.key, tickets);
                     std::mem::forget(guard);
                     {
                         let mut s = p.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -797,7 +868,7 @@ impl ExpertCache {
                     }
                     p.settled.notify_all();
                     let mut st = self.lock();
-                    self.publish(&mut st, p, r.clone());
+                    self.publish(&mut st, p, r.clone(), left);
                     drop(st);
                     return r.map(|data| ExpertHandle { data }).map_err(Error::from);
                 }
@@ -806,15 +877,17 @@ impl ExpertCache {
     }
 
     /// Waits for every ticket of one expert's read: its data, or the
-    /// first failure (the other tickets are dropped: the engine keeps
-    /// their slots until the kernel is done with them).
+    /// first failure and the tickets not waited for (the caller keeps them
+    /// as a draining read until they land: their slots are in the kernel's
+    /// hands, and the cache counts them as in flight, not as free).
     fn resolve(
         &self,
         key: ExpertKey,
         tickets: Vec<(usize, Ticket)>,
-    ) -> std::result::Result<Arc<ExpertData>, CacheError> {
+    ) -> (std::result::Result<Arc<ExpertData>, CacheError>, Vec<Ticket>) {
         let mut parts = Vec::with_capacity(tickets.len());
-        for (arena, t) in tickets {
+        let mut tickets = tickets.into_iter();
+        while let Some((arena, t)) = tickets.next() {
             match t.wait() {
                 Ok(mut loaded) => {
                     if self.inherit_on_fork {
@@ -833,20 +906,31 @@ impl ExpertCache {
                 }
                 Err(e) => {
                     let expert = self.plans.get(&key).map_or_else(String::new, |p| p.2.clone());
-                    return Err(CacheError::ReadFailed {
+                    let err = CacheError::ReadFailed {
                         expert,
                         cause: e.to_string(),
-                    });
+                    };
+                    return (Err(err), tickets.map(|(_, t)| t).collect());
                 }
             }
         }
         parts.sort_by(|a, b| (&a.projection, &a.part).cmp(&(&b.projection, &b.part)));
-        Ok(Arc::new(ExpertData { key, parts }))
+        (Ok(Arc::new(ExpertData { key, parts })), Vec::new())
     }
 
     /// Puts a settled read into the map (landed) or takes it out (failed),
-    /// if the map still holds that read.
-    fn publish(&self, st: &mut State, p: &Arc<Pending>, r: std::result::Result<Arc<ExpertData>, CacheError>) {
+    /// if the map still holds that read; a failed read's parts still in
+    /// the kernel (`left`) drain in `State::draining` until they land.
+    fn publish(
+        &self,
+        st: &mut State,
+        p: &Arc<Pending>,
+        r: std::result::Result<Arc<ExpertData>, CacheError>,
+        left: Vec<Ticket>,
+    ) {
+        if !left.iter().all(Ticket::is_ready) {
+            st.draining.push(left);
+        }
         let ours = matches!(st.map.get(&p.key), Some(Meta { entry: Entry::Loading(q), .. }) if Arc::ptr_eq(q, p));
         if !ours {
             return;
