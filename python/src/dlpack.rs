@@ -26,12 +26,78 @@ pub(crate) enum Bytes {
     /// Part `i` of a cached expert: the handle pins the cache entry (never
     /// evicted nor overwritten) for as long as the payload lives.
     Expert(ws::ExpertHandle, usize),
+    /// A copy in memory of its own (the allocator's, which a forked child
+    /// inherits as any heap memory): for a payload the kernel would not
+    /// hand to children (`Bytes::for_children`).
+    Copied(Copied),
     Empty,
 }
 
+/// Page-aligned heap bytes this payload owns.
+pub(crate) struct Copied {
+    ptr: std::ptr::NonNull<u8>,
+    layout: std::alloc::Layout,
+}
+
+// SAFETY: plain heap memory owned by this value alone, written once when
+// made and only read after.
+unsafe impl Send for Copied {}
+// SAFETY: as above: shared references only read.
+unsafe impl Sync for Copied {}
+
+impl Drop for Copied {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `Bytes::copy_of` with this layout, freed once.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+    }
+}
+
+/// Payloads copied because the kernel refused to hand their pages to
+/// forked children, and their bytes (said once per process by
+/// [`warn_fork_copies`]).
+static FORK_COPIES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+static FORK_COPY_BYTES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+static FORK_COPIES_SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 impl Bytes {
+    /// A landed read's bytes as memory a forked child can read (what every
+    /// tensor handed to Python must be): its pages handed to children
+    /// (`Loaded::inherit_on_fork`), or, where that is refused (the kernel,
+    /// or a page shared with bytes still in use), copied once into memory
+    /// of its own, counted and said once ([`warn_fork_copies`]).
+    pub(crate) fn for_children(mut loaded: ws::Loaded) -> Bytes {
+        if loaded.bytes().is_empty() {
+            return Bytes::Empty;
+        }
+        match loaded.inherit_on_fork() {
+            Ok(()) => Bytes::Loaded(loaded),
+            Err(_) => {
+                use std::sync::atomic::Ordering::Relaxed;
+                FORK_COPIES.fetch_add(1, Relaxed);
+                FORK_COPY_BYTES.fetch_add(loaded.bytes().len() as u64, Relaxed);
+                Bytes::copy_of(loaded.bytes())
+            }
+        }
+    }
+
+    /// `src` copied into page-aligned heap memory of its own.
+    fn copy_of(src: &[u8]) -> Bytes {
+        let Ok(layout) = std::alloc::Layout::from_size_align(src.len().max(1), 4096) else {
+            return Bytes::Empty;
+        };
+        // SAFETY: a non-zero size (at least 1) with a valid layout.
+        let ptr = unsafe { std::alloc::alloc(layout) };
+        let Some(ptr) = std::ptr::NonNull::new(ptr) else {
+            std::alloc::handle_alloc_error(layout)
+        };
+        // SAFETY: `ptr` is `src.len()` fresh bytes, disjoint from `src`.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), ptr.as_ptr(), src.len()) };
+        Bytes::Copied(Copied { ptr, layout })
+    }
+
     fn ptr_len(&self) -> (*mut u8, usize) {
         match self {
+            Bytes::Copied(c) => (c.ptr.as_ptr(), c.layout.size()),
             Bytes::Loaded(l) => {
                 let b = l.bytes();
                 (b.as_ptr().cast_mut(), b.len())
@@ -45,6 +111,27 @@ impl Bytes {
             Bytes::Empty => (std::ptr::NonNull::<u64>::dangling().as_ptr().cast(), 0),
         }
     }
+}
+
+/// Says once per process (a `ResourceWarning`) that payloads were copied
+/// for forked children, how many and how many bytes; nothing when none was.
+pub(crate) fn warn_fork_copies(py: Python<'_>) -> PyResult<()> {
+    use std::sync::atomic::Ordering::Relaxed;
+    let n = FORK_COPIES.load(Relaxed);
+    if n == 0 || FORK_COPIES_SAID.swap(true, Relaxed) {
+        return Ok(());
+    }
+    let msg = format!(
+        "weightstream: {n} tensor(s), {} bytes, were copied into memory of their own because their pages could not \
+         be handed to forked children (the engine's stats count the refusals: arena_inherit_failures); said once",
+        FORK_COPY_BYTES.load(Relaxed)
+    );
+    PyErr::warn(
+        py,
+        &py.get_type::<pyo3::exceptions::PyResourceWarning>(),
+        &std::ffi::CString::new(msg).unwrap_or_default(),
+        1,
+    )
 }
 
 /// One payload in memory that nothing else reuses while Python holds it.
@@ -112,6 +199,8 @@ const DLTENSOR: &CStr = c"dltensor";
 const DLTENSOR_VERSIONED: &CStr = c"dltensor_versioned";
 const KDL_CPU: i32 = 1;
 const KDL_UINT: u8 = 1;
+/// DLPack 1.0: the consumer must not write the tensor.
+const DLPACK_FLAG_BITMASK_READ_ONLY: u64 = 1;
 
 /// The consumer's (or the unconsumed capsule's) release of a tensor.
 ///
@@ -231,7 +320,14 @@ impl Payload {
                 version: DLPackVersion { major: 1, minor: 0 },
                 manager_ctx: ctx.cast(),
                 deleter: Some(deleter_versioned),
-                flags: 0,
+                // A cached expert is shared by every get of it (and the
+                // cache's next reads of it): a consumer that honours the
+                // flag (numpy) hands out a read-only array.
+                flags: if matches!(*self.bytes, Bytes::Expert(..)) {
+                    DLPACK_FLAG_BITMASK_READ_ONLY
+                } else {
+                    0
+                },
                 dl_tensor: tensor,
             }));
             // SAFETY: a valid pointer and static name, and a destructor that

@@ -179,7 +179,8 @@ struct Reader {
     /// model (not registered: see [`read_once_arena`]; each page faulted by
     /// the read that fills it), made at the first
     /// read. A payload keeps its slot, so its bytes are never reused while
-    /// Python holds it; a slot comes back only when its tensor is gone.
+    /// Python holds it; a slot comes back only when its tensor is gone, and
+    /// its pages go back to the kernel then (`Arena::discard_freed_pages`).
     /// When the arena has no room (tensors kept and read again), a read
     /// gets an arena of its own.
     /// `Some(None)`: the kernel refused it (said once); each read then has
@@ -302,16 +303,15 @@ struct Ahead {
 const AHEAD_BYTES: u64 = 64 << 20;
 const AHEAD_READS: usize = 32;
 
-/// A completed read's bytes as a payload Python owns: handed to processes
-/// forked from now on (`Loaded::inherit_on_fork`), so a forked worker
-/// (multiprocessing, a DataLoader, a pre-fork server) reads the tensors its
-/// parent holds, as it would safetensors'. No read writes these pages any
-/// more. A refusal by the kernel is counted in the engine's stats and
-/// warned there (`inherit_failed`); the payload stays good here.
-fn payload(mut loaded: ws::Loaded) -> Payload {
-    let _ = loaded.inherit_on_fork();
+/// A completed read's bytes as a payload Python owns, readable by
+/// processes forked from now on, so a forked worker (multiprocessing, a
+/// DataLoader, a pre-fork server) reads the tensors its parent holds, as it
+/// would safetensors': its pages handed over (`Loaded::inherit_on_fork`;
+/// no read writes them any more), or, where that is refused, a copy
+/// (`Bytes::for_children`: counted, said once).
+fn payload(loaded: ws::Loaded) -> Payload {
     Payload {
-        bytes: Arc::new(Bytes::Loaded(loaded)),
+        bytes: Arc::new(Bytes::for_children(loaded)),
     }
 }
 
@@ -390,7 +390,14 @@ impl Reader {
         }
         let all: Vec<&ws::TensorRef> = self.model.catalog().tensors().iter().collect();
         let bytes = engine.placement_bytes(&all).map_err(to_py)?;
-        let made = py.detach(|| read_once_arena(engine, bytes.max(4096)));
+        // Its slots come back as Python drops their tensors: their pages go
+        // back to the kernel then, so the reader's resident memory is the
+        // tensors alive plus the read-ahead, not every tensor ever read.
+        let made = py.detach(|| {
+            let a = read_once_arena(engine, bytes.max(4096))?;
+            a.discard_freed_pages()?;
+            Ok::<_, ws::Error>(a)
+        });
         let (out, refused) = {
             let mut g = lock();
             match (&*g, made) {
@@ -577,7 +584,7 @@ impl Reader {
         let engine = self.engine()?;
         let shared = self.shared_arena(py, &engine)?;
         let shared = shared.as_ref();
-        match (start, end) {
+        let got = match (start, end) {
             (None, None) => self.read_whole(py, &engine, shared, t),
             (s, e) => {
                 let (s, e) = (s.unwrap_or(0), e.unwrap_or(t.len));
@@ -591,7 +598,9 @@ impl Reader {
                     .map_err(|err| PyValueError::new_err(err.to_string()))?;
                 read_one(py, &engine, shared, &part)
             }
-        }
+        }?;
+        dlpack::warn_fork_copies(py)?;
+        Ok(got)
     }
 
     /// The block of `name` that keeps `bounds[d]` of each leading
@@ -610,7 +619,9 @@ impl Reader {
                 engine.read_slice(&slice, &memory, at, ws::Scratch::Before)?.wait()
             })
             .map_err(to_py)?;
-        Ok(payload(loaded))
+        let out = payload(loaded);
+        dlpack::warn_fork_copies(py)?;
+        Ok(out)
     }
 
     /// Reads `name` (or bytes `[start, end)` of it) into `nbytes` bytes at
@@ -787,7 +798,31 @@ impl Reader {
         };
         let _ = py.detach(|| worker.join());
         drop(engine);
-        let r = result.map_err(to_py)?;
+        let r = match result {
+            Ok(r) => r,
+            Err(e) => {
+                // Which destinations are whole, by the checkpoint names the
+                // caller gave (also in the message): `complete` and
+                // `incomplete` on the exception.
+                let whole: Option<std::collections::HashSet<usize>> = match &e {
+                    ws::Error::Incomplete { complete, .. } => Some(complete.iter().copied().collect()),
+                    _ => None,
+                };
+                let err = to_py(e);
+                if let Some(whole) = whole {
+                    let names = |done: bool| -> Vec<String> {
+                        (0..targets.len())
+                            .filter(|i| whole.contains(i) == done)
+                            .map(|i| targets[i].0.clone())
+                            .collect()
+                    };
+                    let v = err.value(py);
+                    v.setattr("complete", names(true))?;
+                    v.setattr("incomplete", names(false))?;
+                }
+                return Err(err);
+            }
+        };
         Ok(serde_json::json!({
             "targets": r.targets,
             "bytes": r.bytes,
@@ -868,21 +903,28 @@ impl Reader {
 type CatalogEntry = (String, String, Vec<usize>, u64, String, u64, Vec<u64>);
 
 /// Where a slice starts in packed memory whose free bytes begin at
-/// `cursor`: rows (one run) in phase with their file offset, on a block of
-/// their own, so they are read in place; any other block (copied out of
-/// staging anyway) at the next 64 bytes.
+/// `cursor`: on a page of its own (no page holds bytes of two slices, so
+/// each one's pages can be handed to forked children while its neighbours
+/// are still being read); rows (one run) in phase with their file offset,
+/// on a block of their own, so they are read in place; any other slice
+/// (copied out of staging anyway) at the page's first byte.
 fn slice_offset(slice: &ws::TensorSlice, cursor: usize, align: usize) -> usize {
+    let page = PAGE.max(align);
     match slice.as_range() {
-        Some(rows) => cursor.next_multiple_of(align) + (rows.offset % align as u64) as usize,
-        None => cursor.next_multiple_of(64),
+        Some(rows) => cursor.next_multiple_of(page) + (rows.offset % align as u64) as usize,
+        None => cursor.next_multiple_of(page),
     }
 }
+
+/// The page size slices are kept apart by ([`slice_offset`]); a multiple
+/// of every O_DIRECT alignment up to it.
+const PAGE: usize = 4096;
 
 /// Bytes a slice needs in packed memory placed by [`slice_offset`], at most.
 fn slice_room(slice: &ws::TensorSlice, align: usize) -> usize {
     usize::try_from(slice.len())
         .unwrap_or(usize::MAX)
-        .saturating_add(2 * align)
+        .saturating_add(2 * PAGE.max(align))
 }
 
 /// Every tensor of a model (or one file) as `[(name, dtype, shape, bytes,
@@ -1066,7 +1108,7 @@ fn load(
                 }
                 let t0 = std::time::Instant::now();
                 let mut meta: Vec<(String, String, Vec<usize>)> = Vec::new();
-                let mut all: Vec<ws::Loaded> = Vec::new();
+                let mut all: Vec<Bytes> = Vec::new();
                 let mut bytes = 0u64;
                 // With no slice either, load_all says what selected nothing
                 // (the names, the filter).
@@ -1077,18 +1119,17 @@ fn load(
                         .iter()
                         .map(|v| (v.name().to_string(), v.dtype().name().to_string(), v.shape().to_vec()))
                         .collect();
-                    all = loaded.into_loaded();
+                    // Handed to processes forked from now on (see
+                    // `payload`): the whole mapping of `load_all` already
+                    // is (one check each).
+                    all = loaded.into_loaded().into_iter().map(Bytes::for_children).collect();
                 }
+                // Each slice's pages here, off the caller's thread (each on
+                // pages of its own: see `slice_offset`).
                 for (name, dtype, shape, l) in load_slices(&engine, &model, &parts)? {
                     bytes += l.bytes().len() as u64;
                     meta.push((name, dtype, shape));
-                    all.push(l);
-                }
-                // Handed to processes forked from now on (see `payload`):
-                // the whole mapping of `load_all` already is (one check
-                // each); each slice's pages here, off the caller's thread.
-                for l in &mut all {
-                    let _ = l.inherit_on_fork();
+                    all.push(Bytes::for_children(l));
                 }
                 let seconds = t0.elapsed().as_secs_f64();
                 // What the slices cost: the drives move whole blocks, so a
@@ -1127,15 +1168,9 @@ fn load(
                 let out = meta
                     .into_iter()
                     .zip(loaded)
-                    .map(|((name, dtype, shape), l)| {
-                        let bytes = if l.bytes().is_empty() {
-                            Bytes::Empty
-                        } else {
-                            Bytes::Loaded(l)
-                        };
-                        (name, dtype, shape, Payload { bytes: Arc::new(bytes) })
-                    })
+                    .map(|((name, dtype, shape), bytes)| (name, dtype, shape, Payload { bytes: Arc::new(bytes) }))
                     .collect();
+                dlpack::warn_fork_copies(py)?;
                 return Ok((out, report));
             }
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) => py.check_signals()?,
@@ -1357,7 +1392,9 @@ impl Stream {
             Err(e) => Err(e),
         };
         self.fill();
-        Ok(Some((name, dtype, shape, waited.map_err(to_py)?)))
+        let waited = waited.map_err(to_py)?;
+        dlpack::warn_fork_copies(py)?;
+        Ok(Some((name, dtype, shape, waited)))
     }
 }
 

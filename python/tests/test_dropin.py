@@ -1,10 +1,11 @@
 """weightstream's readers against safetensors' own, call for call."""
 
 import os
+import textwrap
 
 import numpy as np
 import pytest
-from conftest import torch_or_skip
+from conftest import run_python, torch_or_skip
 
 import weightstream
 from weightstream import safe_open
@@ -332,3 +333,43 @@ def test_read_ahead_in_any_order_and_closed_with_reads_pending(np_model):
     first = f.get_tensor(keys[0])
     assert f.close() is True
     assert first.tobytes() == t[keys[0]].tobytes()
+
+
+def test_a_tensor_by_tensor_loop_keeps_resident_only_the_live_tensors(tmp_path):
+    """transformers' way of reading a checkpoint: get_tensor, copy, drop,
+    over every tensor of a file. The reader's anonymous resident memory
+    tracks the tensors alive plus its read-ahead window (64 MiB), not the
+    file: over 384 MiB it grows by well under 160 MiB. Before: every
+    tensor read stayed resident until close (the reader's arena was carved
+    forward and its freed pages kept), +390 MiB here. Run in a fresh
+    interpreter so nothing else moves its RSS."""
+    from safetensors.numpy import save_file
+
+    n, elems = 48, 2 << 20  # 48 tensors of 8 MiB
+    save_file({f"t{i:02d}": np.full(elems, i, dtype=np.float32) for i in range(n)}, str(tmp_path / "m.safetensors"))
+    code = textwrap.dedent(
+        f"""
+        import numpy as np, weightstream
+
+        def anon():
+            with open("/proc/self/status") as f:
+                return next(int(l.split()[1]) * 1024 for l in f if l.startswith("RssAnon:"))
+
+        with weightstream.safe_open({str(tmp_path / "m.safetensors")!r}, framework="np") as f:
+            keep = np.empty({elems}, dtype=np.float32)  # the caller's own copy, reused
+            keep[:] = 0
+            base = anon()
+            peak = 0
+            for i, k in enumerate(sorted(f.keys())):
+                a = f.get_tensor(k)
+                keep[:] = a
+                assert keep[0] == i and keep[-1] == i, k
+                del a
+                peak = max(peak, anon() - base)
+        print(peak)
+        """
+    )
+    out = run_python(code)
+    assert out.returncode == 0, out.stderr[-3000:]
+    peak = int(out.stdout.strip().splitlines()[-1])
+    assert peak < 160 << 20, f"anonymous RSS grew by {peak / 2**20:.0f} MiB over a 384 MiB file"

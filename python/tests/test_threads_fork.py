@@ -349,3 +349,46 @@ def test_stress_one_safe_open_threads_slices_close_and_a_fork(sharded):
         d,
         head=FORK_CHILD,
     )
+
+
+def test_a_forked_child_reads_column_and_row_slices_that_share_no_whole_page(tmp_path):
+    """weightstream.load(shard=...) with column slices of odd sizes beside
+    row slices: no slice is a whole number of pages, so packed together
+    they would share pages. A forked child reads every one byte for byte.
+    Before: slices were packed 64 bytes apart, the hand-over to children
+    was refused for any slice sharing a page (and the refusal ignored), and
+    the child died of SIGSEGV."""
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(46)
+    t = {
+        "a.weight": rng.standard_normal((37, 50)).astype(np.float32),
+        "b.weight": rng.standard_normal((41, 30)).astype(np.float32),
+        "c.weight": rng.standard_normal((13, 100)).astype(np.float32),
+        "d.weight": rng.standard_normal((29, 7)).astype(np.float16),
+    }
+    save_file(t, str(tmp_path / "model.safetensors"))
+    child(
+        """
+        import signal
+        shard = {"a.weight": (1, 0, 2), "b.weight": (0, 1, 2), "c.weight": (1, 1, 3), "d.weight": (1, 1, 2)}
+        sl = weightstream.load(MODEL, framework="np", shard=shard)
+        from safetensors.numpy import load_file
+        ref = load_file(MODEL + "/model.safetensors")
+        want = {}
+        for k, spec in shard.items():
+            b = weightstream.shard_bounds(k, ref[k].shape, spec)
+            want[k] = ref[k][tuple(slice(x, y) for x, y in b)]
+            assert want[k].nbytes % 4096, k  # never a whole number of pages
+        for k, v in want.items():
+            assert sl[k].shape == v.shape and np.array_equal(sl[k], v), k
+        sums = {k: digest(v) for k, v in sl.items()}
+        status = in_child(lambda: all(digest(v) == sums[k] for k, v in sl.items()))
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, (
+            f"child status {status}" + (f" (signal {signal.Signals(os.WTERMSIG(status)).name})" if os.WIFSIGNALED(status) else "")
+        )
+        print("ok")
+        """,
+        tmp_path,
+        head=FORK_CHILD,
+    )

@@ -65,8 +65,12 @@ impl Registry {
 impl Engine {
     pub(crate) fn maybe_register(&self, arena: &Arena) {
         // Asked, even when fixed buffers are off for this engine: its reads
-        // without one are then counted as the fallback they are.
-        arena.mark_register_asked();
+        // without one are then counted as the fallback they are. An arena
+        // that discards freed pages is never registered (its reads are
+        // plain by the caller's choice).
+        if !arena.mark_register_asked() {
+            return;
+        }
         if matches!(self.backend, Backend::Uring) && self.fixed_buffers_ok {
             self.register(arena);
         }

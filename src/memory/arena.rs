@@ -189,6 +189,9 @@ struct Mapping {
     /// ([`Arena::inherit_all_on_fork`]: a load's own mapping after its
     /// last read, when no handle is left).
     inherited: std::sync::atomic::AtomicBool,
+    /// The pages of each slot that comes back are handed back to the
+    /// kernel ([`Arena::discard_freed_pages`]); never with fixed buffers.
+    discard_freed: std::sync::atomic::AtomicBool,
 }
 
 impl Mapping {
@@ -218,6 +221,7 @@ impl Mapping {
             register_asked: std::sync::atomic::AtomicBool::new(false),
             handles: AtomicUsize::new(0),
             inherited: std::sync::atomic::AtomicBool::new(false),
+            discard_freed: std::sync::atomic::AtomicBool::new(false),
         })
     }
 }
@@ -439,9 +443,47 @@ impl Arena {
 
     /// Records that an engine asks to register this arena (called before
     /// it tries, so a refusal still counts the arena's plain reads as a
-    /// fallback).
-    pub(crate) fn mark_register_asked(&self) {
-        self.map.register_asked.store(true, Ordering::Relaxed);
+    /// fallback). `false`: the arena discards freed pages
+    /// ([`Arena::discard_freed_pages`]) and must not be registered.
+    pub(crate) fn mark_register_asked(&self) -> bool {
+        self.map.register_asked.store(true, Ordering::SeqCst);
+        if self.map.discard_freed.load(Ordering::SeqCst) {
+            // Plain reads by choice, not a fallback.
+            self.map.register_asked.store(false, Ordering::SeqCst);
+            return false;
+        }
+        true
+    }
+
+    /// From now on, the whole pages of every slot that comes back to this
+    /// arena are handed back to the kernel (`MADV_DONTNEED`): the process's
+    /// resident memory tracks the slots out, not every byte ever read (a
+    /// reader that hands out tensors one by one over a whole-file arena).
+    /// A slot taken later over those pages reads zeros there until a read
+    /// fills it, and pays the page faults a fresh mapping pays. Pages a
+    /// slot shares with another slot's bytes are kept.
+    ///
+    /// Such an arena is never registered as fixed buffers (the kernel
+    /// would keep writing the pages it pinned, not the fresh ones): an
+    /// engine reads into it with plain reads. Refused for memory a caller
+    /// lent, and for an arena an engine already asked to register.
+    ///
+    /// # Errors
+    /// [`Error::Config`] in the two cases above.
+    pub fn discard_freed_pages(&self) -> Result<()> {
+        if self.map.region.borrowed {
+            return Err(Error::Config(
+                "discard_freed_pages: the arena is a caller's memory, never advised here".into(),
+            ));
+        }
+        self.map.discard_freed.store(true, Ordering::SeqCst);
+        if self.map.register_asked.load(Ordering::SeqCst) {
+            self.map.discard_freed.store(false, Ordering::SeqCst);
+            return Err(Error::Config(
+                "discard_freed_pages: an engine registers this arena as fixed buffers (their pages stay pinned)".into(),
+            ));
+        }
+        Ok(())
     }
 
     /// Identity of this arena (unique in the process).
@@ -1255,6 +1297,15 @@ impl Drop for Slot {
         if let Some(inh) = self.inherited.take() {
             self.give_back_fringe(inh.fringe);
         }
+        if self.map.discard_freed.load(Ordering::Acquire) {
+            // SAFETY: the slot is going: nobody reads or writes its bytes
+            // (a read into it was reaped before its ticket let it go), its
+            // extent is not free yet (that is next), and the arena is never
+            // registered (`discard_freed_pages`). Only whole pages inside
+            // the slot are dropped: a page it shares keeps its bytes. A
+            // refusal leaves good memory resident; nothing to undo.
+            let _ = unsafe { self.map.region.discard_pages(self.offset, self.len) };
+        }
         match &self.map.carve {
             Carve::Fixed { slot_len, free, .. } => lock(free).push(self.offset / slot_len),
             Carve::Packed { extents, .. } => {
@@ -1306,6 +1357,36 @@ mod tests {
         assert_eq!(a.available(), 2);
         drop(s3);
         assert_eq!(a.available(), 3);
+    }
+
+    /// With `discard_freed_pages`, a slot that comes back leaves no
+    /// resident page behind: taken again, its bytes read as zeros (a fresh
+    /// page), where without it they keep what was written. Refused for an
+    /// arena an engine asked to register.
+    #[test]
+    fn freed_pages_are_discarded_when_asked() {
+        for discard in [false, true] {
+            let a = Arena::new(SlotSpec::new(3 * page_size()), 1).unwrap();
+            if discard {
+                a.discard_freed_pages().unwrap();
+            }
+            let mut s = a.take().unwrap();
+            s.as_bytes_mut().fill(0xAB);
+            drop(s);
+            let s = a.take().unwrap();
+            let want = if discard { 0 } else { 0xAB };
+            assert!(s.as_bytes().iter().all(|&b| b == want), "discard {discard}");
+        }
+        let p = Arena::packed(1 << 20, 4096, false).unwrap();
+        assert!(p.mark_register_asked());
+        assert!(p.discard_freed_pages().is_err());
+        let q = Arena::packed(1 << 20, 4096, false).unwrap();
+        q.discard_freed_pages().unwrap();
+        assert!(!q.mark_register_asked(), "never registered");
+        assert!(
+            !q.map.register_asked.load(Ordering::SeqCst),
+            "and its plain reads are no fallback"
+        );
     }
 
     #[test]

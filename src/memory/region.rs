@@ -306,6 +306,55 @@ impl Region {
         Ok(())
     }
 
+    /// Hands the whole pages inside `offset..offset + len` (clamped to the
+    /// region) back to the kernel (`MADV_DONTNEED`): they stop counting in
+    /// the process's resident memory and read as zeros, faulted fresh, when
+    /// next touched. Our own mappings only (a caller's memory is never
+    /// advised). A refusal leaves the pages as they were (still good
+    /// memory, only resident): returned for the caller to count.
+    ///
+    /// # Safety
+    /// Nobody reads or writes those bytes now or until they are handed out
+    /// again (a slot's, with the slot gone and its extent not yet free),
+    /// and no kernel I/O targets them: the region is not registered as
+    /// fixed buffers (the kernel would keep writing the old, pinned pages).
+    #[cfg(not(miri))]
+    pub(crate) unsafe fn discard_pages(&self, offset: usize, len: usize) -> rustix::io::Result<()> {
+        let page = page_size();
+        let start = offset.min(self.len).div_ceil(page) * page;
+        let end = offset.saturating_add(len).min(self.len) / page * page;
+        if self.borrowed || end <= start {
+            return Ok(());
+        }
+        // SAFETY: `start..end` is whole pages inside the mapping this region
+        // owns (clamped and rounded inwards above); the caller guarantees
+        // nothing uses those bytes, so dropping their contents loses nothing
+        // anyone reads, and no kernel I/O holds them.
+        unsafe {
+            rustix::mm::madvise(
+                self.ptr.as_ptr().add(start).cast(),
+                end - start,
+                rustix::mm::Advice::LinuxDontNeed,
+            )
+        }
+    }
+
+    /// Miri has no madvise: the bytes are zeroed, as a discarded page reads.
+    ///
+    /// # Safety
+    /// As the real one's.
+    #[cfg(miri)]
+    pub(crate) unsafe fn discard_pages(&self, offset: usize, len: usize) -> rustix::io::Result<()> {
+        let page = page_size();
+        let start = offset.min(self.len).div_ceil(page) * page;
+        let end = offset.saturating_add(len).min(self.len) / page * page;
+        if !self.borrowed && start < end {
+            // SAFETY: inside the allocation; unused by anyone (the contract).
+            unsafe { std::ptr::write_bytes(self.ptr.as_ptr().add(start), 0, end - start) };
+        }
+        Ok(())
+    }
+
     /// Faults every page in (after any advice or NUMA policy is set, so
     /// each page is allocated under it).
     pub(crate) fn touch(&self) {
