@@ -137,3 +137,30 @@ def test_threads_and_torch(moe):
         t.join()
     assert not errors, errors
     c.close()
+
+
+def test_cached_experts_are_read_only_arrays_shared_by_every_get(moe):
+    """Every get of an expert hands out the same cached bytes: numpy arrays
+    of them are read-only (DLPack's read-only flag), so an in-place write
+    raises instead of changing what later gets return. Before: writable,
+    and a write showed in the next get."""
+    d, ref = moe
+    with weightstream.ExpertCache(d, capacity=2, framework="np") as c:
+        first = c.get(1, 2)
+        for key, a in first.items():
+            assert not a.flags.writeable, key
+            with pytest.raises(ValueError, match="read-only"):
+                a[...] = 0
+        check(c.get(1, 2), ref, 1, 2)
+        # A copy is the caller's own, writable.
+        mine = first["gate_proj"].copy()
+        mine[...] = 0
+        check(c.get(1, 2), ref, 1, 2)
+
+
+def test_a_capacity_above_the_routed_experts_maps_only_them(moe):
+    d, _ = moe
+    with weightstream.ExpertCache(d, capacity=10_000, framework="np") as c:
+        s = c.stats()
+        assert (s["capacity"], s["capacity_asked"]) == (LAYERS * EXPERTS, 10_000)
+        assert c.capacity == LAYERS * EXPERTS
