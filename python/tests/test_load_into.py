@@ -332,6 +332,79 @@ def test_every_mismatch_is_refused_before_a_byte_is_read(llama):
         )
 
 
+def test_an_expanded_destination_is_refused_in_the_plan_before_any_read(llama):
+    """A stride-0 (expanded) destination is listed with the other problems
+    before a byte is read, and no other destination is written. Before: the
+    plan passed it, the others were filled, then torch's copy_ raised its
+    own error."""
+    import weightstream.torch as wt
+
+    torch = torch_or_skip()
+    norm = torch.full((128,), 3.0, dtype=torch.bfloat16)
+    one = torch.full((1,), 5.0, dtype=torch.bfloat16)
+    sd = {"model.norm.weight": norm, "model.layers.0.input_layernorm.weight": one.expand(128)}
+    with pytest.raises(RuntimeError) as e:
+        wt.load_into(sd, llama, strict=False)
+    msg = str(e.value)
+    assert "nothing was read" in msg and "model.layers.0.input_layernorm.weight" in msg and "overlap" in msg, msg
+    assert torch.equal(norm, torch.full((128,), 3.0, dtype=torch.bfloat16)), "another destination was written"
+    assert torch.equal(one, torch.full((1,), 5.0, dtype=torch.bfloat16))
+
+
+def test_copy_threads_have_one_bound_and_never_exceed_the_pieces(llama):
+    """copy_threads above the bound C also keeps (256) is refused before a
+    read; a small load starts no more copy threads than it stages pieces.
+    Before: 1,000 threads for one tensor."""
+    import weightstream.torch as wt
+
+    torch = torch_or_skip()
+    sd = {"model.norm.weight": torch.empty(128, dtype=torch.bfloat16)}
+    with pytest.raises(ValueError, match="256"):
+        wt.load_into(sd, llama, strict=False, copy_threads=1000)
+    r = wt.load_into(sd, llama, strict=False, copy_threads=256, in_place=False)
+    assert 0 < r.report["copy_threads"] <= r.report["staged_reads"], r.report
+
+
+def test_a_failed_load_names_the_destinations_left_incomplete(llama, tmp_path, monkeypatch):
+    """A shard cut short after it was opened (its header checked): the
+    error names the tensors not complete (in the message and as
+    ``incomplete``) and those that are (``complete``); every complete one
+    holds the checkpoint's bytes. Before: only how many were complete."""
+    import shutil
+    import types
+
+    import weightstream._load_into as li
+    import weightstream.torch as wt
+
+    torch, tf = torch_or_skip(), transformers_or_skip()
+    d = tmp_path / "cut"
+    shutil.copytree(llama, d)
+    ref = tf.AutoModelForCausalLM.from_pretrained(llama, dtype=torch.bfloat16).state_dict()
+    index = json.load(open(d / "model.safetensors.index.json"))["weight_map"]
+    shard = sorted(set(index.values()))[0]
+    names = sorted(n for n, f in index.items() if f == shard)
+    sd = {n: torch.empty_like(ref[n]) for n in names}
+    size = os.path.getsize(d / shard)
+    real = li._native.Reader
+
+    def cut_after_open(*a, **k):
+        r = real(*a, **k)
+        with open(d / shard, "r+b") as f:
+            f.truncate(size - 1000)
+        return r
+
+    monkeypatch.setattr(li, "_native", types.SimpleNamespace(Reader=cut_after_open))
+    with pytest.raises(Exception, match="destinations are complete") as e:
+        wt.load_into(sd, d, strict=False)
+    err = e.value
+    assert sorted(err.complete + err.incomplete) == names, (err.complete, err.incomplete)
+    assert err.incomplete, "the cut tensor is incomplete"
+    for n in err.incomplete[:8]:
+        assert n in str(err), (n, str(err))
+    for n in err.complete:
+        assert same_bytes(torch, sd[n], ref[n]), n
+
+
 def test_names_with_a_prefix_and_a_rename_hook(llama):
     import weightstream.torch as wt
 

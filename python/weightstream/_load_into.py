@@ -28,6 +28,10 @@ from ._convert import torch_shape as _torch_shape
 DEVICE_STAGING = 128 << 20
 DEVICE_BUFFERS = 2
 
+# The most copy threads a fill may be asked for (the library's
+# FILL_COPY_THREADS_LIMIT, as C's ws_fill): more is refused before a read.
+COPY_THREADS_LIMIT = 256
+
 
 class LoadIntoResult(collections.namedtuple("LoadIntoResult", ["missing_keys", "unexpected_keys", "report"])):
     """What ``load_into`` did: ``missing_keys`` and ``unexpected_keys`` as
@@ -96,6 +100,10 @@ def load_into(
     """
     import torch
 
+    if copy_threads is not None and (
+        isinstance(copy_threads, bool) or not isinstance(copy_threads, int) or not 0 <= copy_threads <= COPY_THREADS_LIMIT
+    ):
+        raise ValueError(f"load_into: copy_threads {copy_threads!r}: None (the default), or 0 to {COPY_THREADS_LIMIT}")
     t0 = _time.perf_counter()
     is_module = isinstance(module_or_state_dict, torch.nn.Module)
     dests = dict(module_or_state_dict.state_dict() if is_module else module_or_state_dict)
@@ -182,6 +190,12 @@ def _plan(reader, dests, owner, strict, shard, prefix, rename, cast):
                     shape = [z - a for a, z in b] + list(shape[len(b) :])
         if t.device.type == "meta":
             problems.append(f"{name} is on the meta device: materialize the module first (to_empty)")
+            return None
+        if _overlaps_itself(t):
+            problems.append(
+                f"{name}: its elements overlap in memory (shape {tuple(t.shape)}, strides {tuple(t.stride())}: an "
+                "expanded or stride-0 view), so no payload can be written into it; give the tensor it was expanded from"
+            )
             return None
         try:
             want_dtype, want_shape = _torch_dtype(dtype), _torch_shape(dtype, shape, ck)
@@ -271,6 +285,14 @@ def _plan(reader, dests, owner, strict, shard, prefix, rename, cast):
 
 def _nbytes(t):
     return t.numel() * t.element_size()
+
+
+def _overlaps_itself(t):
+    """Whether two elements of ``t`` share memory: a dimension of more than
+    one element with stride 0 (``expand``, ``as_strided``), what torch's own
+    ``copy_`` refuses. Other strides never make elements share memory in a
+    view torch hands out."""
+    return any(n > 1 and st == 0 for n, st in zip(t.shape, t.stride()))
 
 
 def _run(reader, plan, staging_bytes, copy_threads, in_place):
