@@ -171,6 +171,42 @@ def test_an_expert_parallel_rank_reads_only_its_experts(models, tmp_path):
     assert res["report"]["tensors"] == len(names)
 
 
+def bge_m3(d):
+    """A tiny BGE-M3 (vLLM's BgeM3EmbeddingModel): an XLM-RoBERTa body in
+    model.safetensors and its two heads as vLLM reads them, sparse_linear.pt
+    and colbert_linear.pt (torch.save'd state dicts)."""
+    import torch
+    from transformers import XLMRobertaConfig, XLMRobertaModel
+
+    cfg = XLMRobertaConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           intermediate_size=128, max_position_embeddings=130, pad_token_id=1, bos_token_id=0, eos_token_id=2)
+    torch.manual_seed(46)
+    XLMRobertaModel(cfg, add_pooling_layer=False).save_pretrained(d)
+    c = json.loads((d / "config.json").read_text())
+    c["architectures"] = ["BgeM3EmbeddingModel"]
+    (d / "config.json").write_text(json.dumps(c))
+    torch.save({"weight": torch.randn(1, 64), "bias": torch.randn(1)}, d / "sparse_linear.pt")
+    torch.save({"weight": torch.randn(64, 64), "bias": torch.randn(64)}, d / "colbert_linear.pt")
+    return d
+
+
+def test_a_models_pt_heads_are_read_not_skipped(tmp_path):
+    """BGE-M3's sparse and ColBERT heads live in .pt files that vLLM's
+    model names as secondary weights: under the weightstream format every
+    parameter equals the default loader's, heads included (vLLM's own
+    iterator reads the .pt files, said in its log). Before: the heads kept
+    their random init and nothing said so."""
+    vllm_or_skip()
+    d = bge_m3(tmp_path / "bge-m3")
+    res = run([{"kind": "digests", "model": d, "load_format": f, "dtype": "float32"} for f in ("auto", "weightstream")],
+              tmp_path, "bge")
+    assert all("error" not in r for r in res), [r.get("error", "")[-3000:] for r in res]
+    ref, ours = res[0]["digests"], res[1]["digests"]
+    assert any(n.startswith("sparse_linear.") for n in ref) and any(n.startswith("colbert_linear.") for n in ref), sorted(ref)
+    differ = sorted(n for n in ref if ours.get(n) != ref[n])
+    assert not differ and sorted(ours) == sorted(ref), differ
+
+
 def test_options_are_checked_before_anything_is_read():
     assert wv.parse_options(None)["window"] == wv.DEFAULT_WINDOW
     o = wv.parse_options({"dirs": "/a; /b,", "mirrors": ["/m"], "route": "stripe", "direct": "on", "window": 3, "tp": "exchange"})
@@ -221,3 +257,45 @@ def test_registration_is_cheap_idempotent_and_a_no_op_without_vllm():
     )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert p.stdout.strip() == "ok", p.stderr[-3000:]
+
+
+def test_the_package_has_no_import_circle():
+    """No module of the package imports, at any depth or inside a function,
+    a module that imports it back. Before: weightstream.vllm imported
+    _vllm_loader (in register) and _vllm_loader imported weightstream.vllm
+    (for its options)."""
+    import ast
+
+    pkg = os.path.join(os.path.dirname(os.path.abspath(wv.__file__)))
+    mods = {f[:-3] for f in os.listdir(pkg) if f.endswith(".py")}
+    edges = {}
+    for m in mods:
+        tree = ast.parse(open(os.path.join(pkg, m + ".py")).read())
+        out = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                if node.module:
+                    out.add(node.module.split(".")[0])
+                else:
+                    out.update(a.name for a in node.names if a.name in mods)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("weightstream."):
+                out.add(node.module.split(".")[1])
+            elif isinstance(node, ast.Import):
+                out.update(a.name.split(".")[1] for a in node.names if a.name.startswith("weightstream."))
+        # The package itself (__init__) is every module's parent: not an edge back.
+        edges[m] = {o for o in out if o in mods and o != m and o != "__init__"}
+
+    def circle(start):
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in edges[node]:
+                if nxt == start:
+                    return path + [start]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, path + [nxt]))
+        return None
+
+    circles = [c for c in (circle(m) for m in sorted(mods)) if c]
+    assert not circles, circles

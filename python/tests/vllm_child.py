@@ -2,7 +2,8 @@
 
 argv: JOBS_JSON OUT_JSON. JOBS_JSON is a list of jobs, each {"model",
 "load_format", "dtype", "extra" (model_loader_extra_config), "spawn",
-"tp" (tensor_parallel_size, spawned)}; they
+"tp" (tensor_parallel_size, spawned)}, or {"kind": "digests"} (a pooling
+model's parameter digests) or {"kind": "filter"}; they
 run one after another in this process: in-process (vLLM's engine core and
 a "uni" executor here) unless "spawn" is true, when vLLM spawns its engine
 core and worker processes as it does by default (the load format must then
@@ -35,6 +36,10 @@ def main():
         if job.get("kind") == "filter":
             results.append(expert_filter(job))
             continue
+        if job.get("kind") == "digests":
+            results.append(digests(job))
+            gc.collect()
+            continue
         try:
             llm = LLM(
                 model=job["model"],
@@ -60,6 +65,46 @@ def main():
             results.append({"error": traceback.format_exc()})
         gc.collect()
     json.dump(results, open(sys.argv[2], "w"))
+
+
+def parameter_digests(model):
+    """sha256 of every parameter's bytes (run in the worker by apply_model)."""
+    import hashlib
+
+    return {
+        n: hashlib.sha256(p.detach().contiguous().view(-1).view(torch_uint8()).cpu().numpy().tobytes()).hexdigest()
+        for n, p in model.named_parameters()
+    }
+
+
+def torch_uint8():
+    import torch
+
+    return torch.uint8
+
+
+def digests(job):
+    """A pooling model built by vLLM with `load_format`: the digest of each
+    of its parameters."""
+    from vllm import LLM
+
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    try:
+        llm = LLM(
+            model=job["model"],
+            load_format=job["load_format"],
+            dtype=job["dtype"],
+            runner="pooling",
+            skip_tokenizer_init=True,
+            enforce_eager=True,
+            max_model_len=128,
+            distributed_executor_backend="uni",
+        )
+        out = {"digests": llm.apply_model(parameter_digests)[0]}
+        del llm
+        return out
+    except Exception:  # noqa: BLE001 - reported to the test
+        return {"error": traceback.format_exc()}
 
 
 def expert_filter(job):

@@ -18,11 +18,14 @@ from vllm.logger import init_logger
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.model_executor.model_loader.ep_weight_filter import should_skip_weight
-from vllm.model_executor.model_loader.weight_utils import filter_mm_encoder_only_safetensors_files
+from vllm.model_executor.model_loader.weight_utils import (
+    filter_mm_encoder_only_safetensors_files,
+    pt_weights_iterator,
+)
 
 from . import _native
 from ._convert import to_torch
-from .vllm import parse_options
+from ._vllm_options import parse_options
 
 # Under vLLM's own logger tree, so its handlers print it as theirs.
 logger = init_logger("vllm.model_executor.model_loader.weightstream")
@@ -49,7 +52,7 @@ class WeightstreamModelLoader(BaseModelLoader):
         d = self._default
         d._init_ep_weight_filter(model_config)
         d._init_mm_encoder_only_weight_filter(model, model_config)
-        self.report = {"tensors": 0, "bytes": 0, "skipped_experts": 0, "skipped_unused": 0}
+        self.report = {"tensors": 0, "bytes": 0, "skipped_experts": 0, "skipped_unused": 0, "vllm_files": [], "vllm_tensors": 0}
         t0 = time.perf_counter()
         prep = _Prepare(model if self.options["prepare"] else None)
         try:
@@ -67,13 +70,16 @@ class WeightstreamModelLoader(BaseModelLoader):
         self.report["seconds"] = seconds
         logger.info(
             "Loading weights took %.2f seconds (weightstream: %d tensors, %.3f GB, %.2f GB/s; %d experts of other ranks "
-            "and %d unused weights not read)",
+            "and %d unused weights not read; %d tensors from %d file(s) that are not safetensors read by vLLM's own "
+            "iterator)",
             seconds,
             self.report["tensors"],
             self.report["bytes"] / 1e9,
             self.report["bytes"] / 1e9 / max(seconds, 1e-9),
             self.report["skipped_experts"],
             self.report["skipped_unused"],
+            self.report["vllm_tensors"],
+            len(self.report["vllm_files"]),
         )
         track = d.enable_weights_track
         if track is None:
@@ -114,10 +120,16 @@ class WeightstreamModelLoader(BaseModelLoader):
             named = _index_shards(os.path.join(folder, index_file))
             if named is not None:
                 files = [f for f in files if os.path.basename(f) in named]
-        if not use_safetensors:
-            raise RuntimeError(
-                f"load format weightstream reads safetensors checkpoints; {folder} has none (use --load-format auto)"
-            )
+        # What weightstream does not read (a model's `.pt` or `.bin` heads,
+        # such as BGE-M3's sparse_linear.pt, named by the source's own
+        # patterns): vLLM's own iterator reads it, as `auto` would, said in
+        # vLLM's log with the files named. Never a weight skipped.
+        others = [f for f in files if not f.endswith(".safetensors")]
+        if others:
+            yield from self._vllm_weights(source, others)
+            files = [f for f in files if f.endswith(".safetensors")]
+            if not files:
+                return
         if d._encoder_only_lm_prefixes is not None and files:
             files = filter_mm_encoder_only_safetensors_files(
                 files, folder, index_file, d._encoder_only_lm_prefixes, weights_mapper=d._encoder_only_weights_mapper
@@ -186,6 +198,24 @@ class WeightstreamModelLoader(BaseModelLoader):
         for name, dtype, shape, payload in stream:
             self.report["tensors"] += 1
             yield source.prefix + name, to_torch(payload, dtype, shape)
+
+
+    def _vllm_weights(self, source, files):
+        """``files`` (not safetensors) through vLLM's own ``.pt``/``.bin``
+        iterator, as its default loader reads them, with ``source``'s
+        prefix; each file named in vLLM's log."""
+        lc = self.load_config
+        logger.warning(
+            "weightstream: %d file(s) of %s are not safetensors and are read by vLLM's own iterator (torch.load, through "
+            "the page cache): %s",
+            len(files),
+            source.model_or_path,
+            ", ".join(os.path.basename(f) for f in sorted(files)),
+        )
+        self.report["vllm_files"] += sorted(files)
+        for name, tensor in pt_weights_iterator(files, lc.use_tqdm_on_load, lc.pt_load_map_location):
+            self.report["vllm_tensors"] += 1
+            yield source.prefix + name, tensor
 
 
 def _index_shards(index_path):

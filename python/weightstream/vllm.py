@@ -17,67 +17,9 @@ in memory of its own: a tensor vLLM keeps stays valid. Options come through
 expert parallelism, only the experts of this rank's layers are read.
 """
 
-# The options `--model-loader-extra-config` may give.
-OPTIONS = ("dirs", "mirrors", "route", "direct", "window", "tp", "prepare")
-# With tensor parallelism: each rank reads every tensor it needs itself
-# ("each"), or the ranks of the group share the reads and send each other
-# the rest ("exchange", weightstream.torch.iter_distributed over the group's
-# CPU process group).
-TP_MODES = ("each", "exchange")
-DEFAULT_TP = "each"
-DEFAULT_WINDOW = 8
+from ._vllm_options import DEFAULT_TP, DEFAULT_WINDOW, OPTIONS, TP_MODES, parse_options  # noqa: F401 - the documented names
 
 _registered = False
-
-
-def _paths(value, key):
-    """A list of folders: a JSON list, or one string of `;`/`,`-separated
-    folders (as WEIGHTSTREAM_MODEL_DIRS)."""
-    if isinstance(value, str):
-        return [p.strip() for p in value.replace(";", ",").split(",") if p.strip()]
-    if isinstance(value, (list, tuple)) and all(isinstance(p, str) for p in value):
-        return list(value)
-    raise ValueError(f"load format weightstream: {key} must be a list of folders or a string of them, got {value!r}")
-
-
-def parse_options(extra):
-    """The loader's options from `model_loader_extra_config` (None or a
-    dict): `dirs`, `mirrors` (lists, or `;`/`,`-separated strings),
-    `route`, `direct` (strings, parsed by the library when the model is
-    opened), `window` (reads in flight, 1 to 1024, default 8), `tp`
-    ("each" or "exchange", with tensor parallelism), `prepare` (make the
-    parameters' pages ready for vLLM's copies on a helper thread while the
-    reads run; default true). An unknown key or a
-    bad value is a ValueError naming it, before anything is read."""
-    if extra is None:
-        extra = {}
-    if not isinstance(extra, dict):
-        raise ValueError(f"load format weightstream: model_loader_extra_config must be a dict, got {type(extra).__name__}")
-    unknown = sorted(set(extra) - set(OPTIONS))
-    if unknown:
-        raise ValueError(f"load format weightstream: unknown extra config keys {unknown} (it takes {list(OPTIONS)})")
-    opts = {"dirs": None, "mirrors": None, "route": None, "direct": None, "window": DEFAULT_WINDOW, "tp": DEFAULT_TP, "prepare": True}
-    for key in ("dirs", "mirrors"):
-        if extra.get(key) is not None:
-            opts[key] = _paths(extra[key], key)
-    for key in ("route", "direct"):
-        if extra.get(key) is not None:
-            if not isinstance(extra[key], str):
-                raise ValueError(f"load format weightstream: {key} must be a string, got {extra[key]!r}")
-            opts[key] = extra[key]
-    w = extra.get("window", DEFAULT_WINDOW)
-    if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= 1024:
-        raise ValueError(f"load format weightstream: window must be an integer from 1 to 1024, got {w!r}")
-    opts["window"] = w
-    tp = extra.get("tp", DEFAULT_TP)
-    if tp not in TP_MODES:
-        raise ValueError(f"load format weightstream: tp must be one of {list(TP_MODES)}, got {tp!r}")
-    opts["tp"] = tp
-    prepare = extra.get("prepare", True)
-    if not isinstance(prepare, bool):
-        raise ValueError(f"load format weightstream: prepare must be true or false, got {prepare!r}")
-    opts["prepare"] = prepare
-    return opts
 
 
 def register():
