@@ -13,8 +13,8 @@
 #   cold              sync; drop the page cache
 #   bare_read_sweep OUT FRESH_READ [ARGS...] [--] FILE...
 #                     the bare read's configuration (benches/peers/fresh_read.c):
-#                     each threads x block of FRESH_SWEEP (default "2x1M 4x1M
-#                     8x1M 2x4M 4x4M 8x4M") once, cold, every result a line of
+#                     each threads x block of FRESH_SWEEP (default: 2, 4 and 8
+#                     threads x 1, 4, 8 and 16 MiB) once, cold, every result a line of
 #                     OUT; the best left in $fresh_threads and $fresh_block
 #
 # Free page reporting: a VM's guest tells its host which pages are free; the
@@ -66,7 +66,7 @@ bare_read_sweep() {
     [ "${1:-}" = -- ] && shift
     fresh_threads=8 fresh_block=$((4 << 20))
     : > "$out"
-    for cfg in ${FRESH_SWEEP:-2x1M 4x1M 8x1M 2x4M 4x4M 8x4M}; do
+    for cfg in ${FRESH_SWEEP:-2x1M 4x1M 8x1M 2x4M 4x4M 8x4M 2x8M 4x8M 8x8M 2x16M 4x16M 8x16M}; do
         t=${cfg%x*} b=${cfg#*x}
         b=$(( ${b%M} << 20 ))
         cold

@@ -42,7 +42,7 @@
 #                         (fio's buffers are few and reused). Its threads
 #                         and block size are the best of a sweep run once
 #                         per kind before the rounds (FRESH_SWEEP, default
-#                         "2x1M 4x1M 8x1M 2x4M 4x4M 8x4M", each cold;
+#                         2, 4 and 8 threads x 1, 4, 8 and 16 MiB, each cold;
 #                         KIND-freshsweep.json); every other arm's ratio to
 #                         it, per round, is the table's first figure
 #        safetensors      arm.py safetensors: safetensors.torch.load_file per shard

@@ -341,3 +341,83 @@ fn a_large_read_is_cut_in_grown_chunks_unless_the_size_is_set() {
     drop(model);
     drop(sim);
 }
+
+/// A whole-model load on a drive read by pread workers (zram, which
+/// completes each read inline) cuts each tensor in chunks as large as the
+/// tensor, up to 16 MiB: the load keeps many tensors in flight, so no
+/// single read needs to spread over the workers, and each chunk is a
+/// syscall and a pass over the device (at the drive's own chunk, the load
+/// ran at 0.76 of the bare read on zram, docs/benchmarks/2026-12-05-zram-load).
+/// One read of the same tensor on its own still spreads over the workers,
+/// at the drive's chunk; the bytes are the same either way.
+#[test]
+fn a_whole_model_load_on_pread_workers_reads_in_chunks_as_large_as_each_tensor() {
+    if !common::uring_available() {
+        return;
+    }
+    let Some(sim) = SimDrives::up(1, "zram", "0") else {
+        return;
+    };
+    let dir = sim.mounts[0].join("model");
+    let s = SynthSpec {
+        layers: 2,
+        experts: 2,
+        expert_bytes: 6 << 20,
+        shards: 2,
+        seed: 0xb01c,
+        ..SynthSpec::default()
+    };
+    common::synth_model(&dir, &s);
+    sync_and_drop_caches();
+    let model = Model::open(ModelConfig::new(&dir)).unwrap();
+    let engine = Engine::new(&model, EngineConfig::default()).unwrap();
+    assert_eq!(
+        engine.stats().drives[0].submit,
+        Some("pread"),
+        "{:?}",
+        engine.stats().drives[0]
+    );
+    let base = engine.chunk_bytes(0) as u64;
+    let tensors = model.catalog().tensors();
+    let largest = tensors.iter().max_by_key(|t| t.len).unwrap().clone();
+    assert!(
+        largest.len >= 4 * base,
+        "the drive's chunk ({base}) is too large for this test's tensors ({})",
+        largest.len
+    );
+
+    // One read on its own: the drive's chunks, over the workers.
+    let arena = engine.arena(model.slot_spec_for_largest("").unwrap(), 1).unwrap();
+    let before = engine.stats().drives[0].chunks;
+    let l = engine.read(&largest, arena.take().unwrap()).unwrap().wait().unwrap();
+    assert!(synth::verify(s.seed, &largest.name, &l));
+    let alone = engine.stats().drives[0].chunks - before;
+    assert!(
+        alone >= largest.len / base,
+        "{alone} chunks of {base} for {} bytes",
+        largest.len
+    );
+    drop(l);
+
+    // The whole model: each tensor in at most its length over 16 MiB, plus
+    // one for the window's tail.
+    let before = engine.stats().drives[0].chunks;
+    let all = engine.load_all(&weightstream::LoadOptions::new()).unwrap();
+    assert_eq!(all.len(), tensors.len());
+    assert!(
+        all.iter().all(|t| synth::verify(s.seed, t.name(), t.bytes())),
+        "wrong bytes"
+    );
+    let loaded = engine.stats().drives[0].chunks - before;
+    let bound: u64 = tensors.iter().map(|t| t.len.div_ceil(16 << 20) + 1).sum();
+    let at_base: u64 = tensors.iter().map(|t| t.len.div_ceil(base)).sum();
+    assert!(
+        loaded <= bound && loaded < at_base,
+        "the load took {loaded} chunks for {} tensors ({bound} at most in bulk chunks; {at_base} at the drive's chunk of {base})",
+        tensors.len()
+    );
+    drop(all);
+    drop(engine);
+    drop(model);
+    drop(sim);
+}

@@ -98,6 +98,10 @@ struct DriveIo {
     /// Largest chunk one read's chunks may grow to (`chunk` itself when the
     /// configuration fixed the size; see `plan::chunk::for_read`).
     chunk_max: usize,
+    /// Largest chunk of a whole-model load's reads (`plan::chunk::for_bulk`),
+    /// for a drive read by pread workers because it completes reads inline;
+    /// `None`: such reads are chunked as any other.
+    bulk_max: Option<usize>,
     ring: Option<String>,
     /// How the drive's rings issue reads (io_uring backend), and io-wq's
     /// bound when they punt.
@@ -268,9 +272,19 @@ impl Engine {
     /// at: the first drive's chunk, grown for a large read when the size
     /// is the engine's to choose, as long as every I/O thread of those
     /// drives keeps its share of chunks.
-    fn chunk_for_read(&self, drives: impl Iterator<Item = usize> + Clone, len: usize) -> usize {
+    fn chunk_for_read(&self, drives: impl Iterator<Item = usize> + Clone, len: usize, bulk: bool) -> usize {
         let Some(first) = drives.clone().next() else { return 1 };
         let d = &self.drives[first];
+        if bulk {
+            // Every copy's drive takes bulk chunks: the smallest bound.
+            let max = drives
+                .clone()
+                .map(|i| self.drives[i].bulk_max)
+                .try_fold(usize::MAX, |m, b| b.map(|b| m.min(b)));
+            if let Some(max) = max {
+                return chunk::for_bulk(d.chunk, max, len);
+            }
+        }
         let lanes = drives.map(|i| self.drives[i].threads.len().max(1)).sum();
         chunk::for_read(d.chunk, d.chunk_max, len, lanes)
     }

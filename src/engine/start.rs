@@ -114,6 +114,13 @@ fn chunk_max(chunk: usize, config: &EngineConfig) -> usize {
     }
 }
 
+/// The largest chunk of a whole-model load's reads on a drive that
+/// completes reads inline (its pread workers): [`chunk::BULK_CHUNK_MAX`],
+/// unless the configuration fixed the chunk (the caller chose).
+fn bulk_max(config: &EngineConfig) -> Option<usize> {
+    config.chunk.is_none().then_some(chunk::BULK_CHUNK_MAX)
+}
+
 /// Each drive's NUMA locality from `provider`.
 fn localities(model: &Model, provider: &Provider) -> Vec<Locality> {
     model
@@ -234,6 +241,7 @@ fn start_pread(
             threads,
             chunk,
             chunk_max: chunk_max(chunk, config),
+            bulk_max: None,
             ring: None,
             submit: None,
             binding,
@@ -358,6 +366,7 @@ fn start_rings(
                         threads,
                         chunk,
                         chunk_max: chunk_max(chunk, config),
+                        bulk_max: bulk_max(config),
                         ring: None,
                         submit: Some((plan, None)),
                         binding,
@@ -393,6 +402,7 @@ fn start_rings(
                         threads,
                         chunk,
                         chunk_max: chunk_max(chunk, config),
+                        bulk_max: None,
                         ring: None,
                         submit: None,
                         binding: String::new(),
@@ -416,6 +426,7 @@ fn start_rings(
                 threads,
                 chunk,
                 chunk_max: chunk_max(chunk, config),
+                bulk_max: None,
                 ring: Some(desc),
                 submit: Some((plan, setup.iowq_workers)),
                 binding: setup.binding.clone(),

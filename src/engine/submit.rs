@@ -95,7 +95,19 @@ impl Fanout {
 
 impl Engine {
     /// [`Engine::read`] with a caller-supplied group key for `hash` routing.
-    pub fn read_keyed(&self, tensor: &TensorRef, mut slot: Slot, key: u64) -> Result<Ticket> {
+    pub fn read_keyed(&self, tensor: &TensorRef, slot: Slot, key: u64) -> Result<Ticket> {
+        self.read_with(tensor, slot, key, false)
+    }
+
+    /// [`Engine::read`] for a whole-model load, which keeps many reads in
+    /// flight: on a drive that completes reads inline its chunks are as
+    /// large as `plan::chunk::BULK_CHUNK_MAX` (no single read needs to
+    /// spread over the drive's workers); elsewhere the same as `read`.
+    pub(crate) fn read_bulk(&self, tensor: &TensorRef, slot: Slot) -> Result<Ticket> {
+        self.read_with(tensor, slot, self.model.group_key(tensor), true)
+    }
+
+    fn read_with(&self, tensor: &TensorRef, mut slot: Slot, key: u64, bulk: bool) -> Result<Ticket> {
         self.origin.check()?;
         // A slot handed to forked children (`Loaded::inherit_on_fork`,
         // then `into_slot`) is fork-protected again before the kernel may
@@ -119,7 +131,7 @@ impl Engine {
         // Direct or buffered, per copy (copies may sit on different filesystems).
         let mut direct = DirectPlan::decide(model.direct_mode(), w, &slot, &files[..n], model.drives());
         let w = direct.window;
-        let chunk_size = self.chunk_for_read(files[..n].iter().map(|f| f.drive), w.len);
+        let chunk_size = self.chunk_for_read(files[..n].iter().map(|f| f.drive), w.len, bulk);
         let target = Target::of(&slot, self.buf_index(&slot));
         let candidates: [Candidate; MAX_COPY_RANKS] = std::array::from_fn(|k| self.candidate(files[k], &slot));
         let mut route = self.router.route_read(key, &candidates[..n]);

@@ -604,7 +604,7 @@ impl Engine {
                             }
                         ))
                     })?;
-                    self.read(t, slot)?
+                    self.read_bulk(t, slot)?
                 } else {
                     self.read_into(t, arena, p.at, Scratch::None)?
                 };
