@@ -522,9 +522,10 @@ fn read_one(
 impl Reader {
     /// Opens `path`: a `.safetensors` file on its own, or a model directory
     /// (its index, split `dirs`, `mirrors`). `route` and `direct` as the
-    /// command line's.
+    /// command line's; `env`: the `WEIGHTSTREAM_*` variables apply where an
+    /// argument is not given (as the command line's).
     #[new]
-    #[pyo3(signature = (path, dirs=None, mirrors=None, route=None, direct=None))]
+    #[pyo3(signature = (path, dirs=None, mirrors=None, route=None, direct=None, env=false))]
     fn new(
         py: Python<'_>,
         path: &str,
@@ -532,8 +533,9 @@ impl Reader {
         mirrors: Option<Vec<String>>,
         route: Option<&str>,
         direct: Option<&str>,
+        env: bool,
     ) -> PyResult<Self> {
-        let config = layout(path, dirs, mirrors, route, direct)?;
+        let config = layout_with(path, (dirs, mirrors, route, direct), env)?;
         let (model, engine) = open(py, config)?;
         Ok(Reader {
             model,

@@ -2,8 +2,9 @@
 
 argv: JOBS_JSON OUT_JSON. JOBS_JSON is a list of jobs, each {"model",
 "load_format", "dtype", "extra" (model_loader_extra_config), "spawn",
-"tp" (tensor_parallel_size, spawned)}, or {"kind": "digests"} (a pooling
-model's parameter digests) or {"kind": "filter"}; they
+"tp" (tensor_parallel_size, spawned)}, or {"kind": "digests"} (each
+rank's parameter digests and the loader's report, see digests()) or
+{"kind": "filter"}; they
 run one after another in this process: in-process (vLLM's engine core and
 a "uni" executor here) unless "spawn" is true, when vLLM spawns its engine
 core and worker processes as it does by default (the load format must then
@@ -68,39 +69,59 @@ def main():
 
 
 def parameter_digests(model):
-    """sha256 of every parameter's bytes (run in the worker by apply_model)."""
+    """sha256 of every parameter's bytes, and the weightstream loader's
+    report when it loaded them (run in each worker by apply_model)."""
     import hashlib
 
-    return {
-        n: hashlib.sha256(p.detach().contiguous().view(-1).view(torch_uint8()).cpu().numpy().tobytes()).hexdigest()
-        for n, p in model.named_parameters()
-    }
-
-
-def torch_uint8():
     import torch
 
-    return torch.uint8
+    got = {
+        n: hashlib.sha256(p.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+        for n, p in model.named_parameters()
+    }
+    report = None
+    try:
+        from weightstream import _vllm_loader
+
+        report = _vllm_loader.LAST_REPORT
+    except ImportError:
+        pass
+    return {"digests": got, "report": json.loads(json.dumps(report, default=str)) if report else None}
 
 
 def digests(job):
-    """A pooling model built by vLLM with `load_format`: the digest of each
-    of its parameters."""
+    """A model built by vLLM with `load_format` (a pooling model unless
+    "runner" says otherwise; "tp" ranks, spawned, when above 1): each
+    rank's digest of each of its parameters and the loader's report."""
     from vllm import LLM
 
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    tp = job.get("tp", 1)
     try:
         llm = LLM(
             model=job["model"],
             load_format=job["load_format"],
             dtype=job["dtype"],
-            runner="pooling",
+            runner=job.get("runner", "pooling"),
+            model_loader_extra_config=job.get("extra") or {},
             skip_tokenizer_init=True,
             enforce_eager=True,
             max_model_len=128,
-            distributed_executor_backend="uni",
+            max_num_seqs=4,
+            tensor_parallel_size=tp,
+            distributed_executor_backend="uni" if tp == 1 else "mp",
         )
-        out = {"digests": llm.apply_model(parameter_digests)[0]}
+        ranks = llm.apply_model(parameter_digests)
+        out = {"digests": ranks[0]["digests"], "ranks": ranks}
+        if job.get("generate"):
+            from vllm import SamplingParams
+
+            outs = llm.generate(
+                [{"prompt_token_ids": p} for p in PROMPTS],
+                SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                use_tqdm=False,
+            )
+            out["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
         del llm
         return out
     except Exception:  # noqa: BLE001 - reported to the test

@@ -10,7 +10,9 @@ flight, each tensor in memory of its own. vLLM does the merging and the
 tensor-parallel narrowing, as for every load format.
 """
 
+import collections
 import dataclasses
+import json
 import os
 import time
 
@@ -26,6 +28,10 @@ from vllm.model_executor.model_loader.weight_utils import (
 from . import _native
 from ._convert import to_torch
 from ._vllm_options import parse_options
+
+# The last load's report in this process (tests, benches: read in the
+# worker through LLM.apply_model).
+LAST_REPORT = None
 
 # Under vLLM's own logger tree, so its handlers print it as theirs.
 logger = init_logger("vllm.model_executor.model_loader.weightstream")
@@ -50,13 +56,29 @@ class WeightstreamModelLoader(BaseModelLoader):
 
     def load_weights(self, model, model_config):
         d = self._default
+        self._model_config = model_config
         d._init_ep_weight_filter(model_config)
         d._init_mm_encoder_only_weight_filter(model, model_config)
-        self.report = {"tensors": 0, "bytes": 0, "skipped_experts": 0, "skipped_unused": 0, "vllm_files": [], "vllm_tensors": 0}
+        self.report = {
+            "tensors": 0,
+            "bytes": 0,
+            "skipped_experts": 0,
+            "skipped_unused": 0,
+            "vllm_files": [],
+            "vllm_tensors": 0,
+            "warnings": [],
+            "drives": {},
+        }
         t0 = time.perf_counter()
+        read0 = _read_bytes()
         prep = _Prepare(model if self.options["prepare"] else None)
+        why_not = self._why_no_plan(model_config)
         try:
-            loaded = model.load_weights(self._all_weights(model, model_config))
+            if why_not is None:
+                loaded = self._load_planned(model)
+            else:
+                self.report["plan"] = {"used": False, "why_not": why_not}
+                loaded = model.load_weights(self._all_weights(model))
         finally:
             self.report["prepared"] = prep.stop()
         seconds = time.perf_counter() - t0
@@ -68,39 +90,201 @@ class WeightstreamModelLoader(BaseModelLoader):
                 refused,
             )
         self.report["seconds"] = seconds
-        logger.info(
-            "Loading weights took %.2f seconds (weightstream: %d tensors, %.3f GB, %.2f GB/s; %d experts of other ranks "
-            "and %d unused weights not read; %d tensors from %d file(s) that are not safetensors read by vLLM's own "
-            "iterator)",
-            seconds,
-            self.report["tensors"],
-            self.report["bytes"] / 1e9,
-            self.report["bytes"] / 1e9 / max(seconds, 1e-9),
-            self.report["skipped_experts"],
-            self.report["skipped_unused"],
-            self.report["vllm_tensors"],
-            len(self.report["vllm_files"]),
-        )
+        self.report["read_bytes"] = _read_bytes() - read0
+        global LAST_REPORT
+        LAST_REPORT = self.report
+        self._log(seconds)
         track = d.enable_weights_track
         if track is None:
             track = model_config.quantization is None and loaded is not None
         if track:
             d.track_weights_loading(model, loaded, quantized=model_config.quantization is not None)
 
-    def _all_weights(self, model, model_config):
+    def _why_no_plan(self, model_config):
+        """Why this load does not take the plan (None when it does)."""
+        if not self.options["plan"]:
+            return "the plan option is false"
+        if model_config.quantization is not None:
+            return f"a quantized model ({model_config.quantization}): its loaders repack the checkpoint's layout"
+        if self.options["tp"] == "exchange" and _tp_group() is not None:
+            return "tp: exchange (the ranks share whole tensors)"
+        return None
+
+    def _log(self, seconds):
+        """What was read, once per load, in vLLM's log: the weight phase,
+        the plan (planned, fallback by reason, unused), the drives, and
+        the engine's warnings."""
+        r = self.report
+        plan = r.get("plan", {})
+        logger.info(
+            "Loading weights took %.2f seconds (weightstream: %d tensors, %.3f GB, %.2f GB/s; %d experts of other ranks "
+            "and %d unused weights not read; %d tensors from %d file(s) that are not safetensors read by vLLM's own "
+            "iterator)",
+            seconds,
+            r["tensors"],
+            r["bytes"] / 1e9,
+            r["bytes"] / 1e9 / max(seconds, 1e-9),
+            r["skipped_experts"],
+            r["skipped_unused"],
+            r["vllm_tensors"],
+            len(r["vllm_files"]),
+        )
+        if plan.get("used"):
+            logger.info(
+                "weightstream plan: %d tensors (%.3f GB) read straight into the parameters (%.3f GB in place, %.3f GB "
+                "staged and copied), %d tensors (%.3f GB) through vLLM's loaders, %d the model does not use (not "
+                "read); traced in %.3f s (%d run(s) of the loaders)",
+                plan["planned_tensors"],
+                plan["planned_bytes"] / 1e9,
+                plan["in_place_bytes"] / 1e9,
+                plan["staged_bytes"] / 1e9,
+                plan["fallback_tensors"],
+                plan["fallback_bytes"] / 1e9,
+                plan["unused_tensors"],
+                plan["trace_seconds"],
+                plan["trace_runs"],
+            )
+            for reason, g in plan["fallback_reasons"].items():
+                logger.info(
+                    "weightstream plan: %d tensors (%.3f GB) through vLLM's loaders: %s (%s%s)",
+                    g["tensors"],
+                    g["bytes"] / 1e9,
+                    reason,
+                    ", ".join(g["names"]),
+                    ", ..." if g["tensors"] > len(g["names"]) else "",
+                )
+        elif plan:
+            logger.info("weightstream plan: not used: %s", plan["why_not"])
+        if r["drives"]:
+            logger.info(
+                "weightstream drives: %s",
+                "; ".join(f"{dev}: {b / 1e9:.3f} GB" for dev, b in sorted(r["drives"].items())),
+            )
+        for message in r["warnings"]:
+            logger.warning("weightstream: %s", message)
+
+    def _warnings(self, engine):
+        """Adds ``engine``'s (a Reader's or a Stream's) warnings and bytes per
+        drive to the report: each warning said once per load."""
+        import json
+
+        try:
+            stats = json.loads(engine.stats_json())
+        except Exception as e:  # noqa: BLE001 - a closed engine: its stats are gone, nothing to add
+            logger.debug("weightstream: no stats from %r: %s", engine, e)
+            return
+        for w in stats.get("warnings", ()):
+            msg = w.get("message")
+            if msg and msg not in self.report["warnings"]:
+                self.report["warnings"].append(msg)
+        for d in stats.get("drives", ()):
+            key = d.get("device") or str(d.get("mount"))
+            self.report["drives"][key] = self.report["drives"].get(key, 0) + int(d.get("bytes", 0))
+
+    def _sources(self, model):
+        """The model's checkpoint sources: its own, then its secondary
+        weights (vLLM's ``secondary_weights``)."""
         primary = DefaultModelLoader.Source(
-            model_config.model,
-            model_config.revision,
+            self._model_config.model,
+            self._model_config.revision,
             prefix="",
             fall_back_to_pt=False,
             allow_patterns_overrides=getattr(model, "allow_patterns_overrides", None),
             is_unused_weight=getattr(model, "is_unused_checkpoint_weight", None),
         )
-        yield from self._source_weights(primary)
-        for source in getattr(model, "secondary_weights", ()):
+        return [primary, *getattr(model, "secondary_weights", ())]
+
+    def _load_planned(self, model):
+        """The load with a plan: the model's own ``load_weights`` traced on
+        metadata stand-ins (``_weight_plan``), the plan checked, each
+        planned tensor's bytes read straight into its parameters
+        (``Engine::fill``; a parameter on a device through pinned staging,
+        ``load_into``'s pipeline), then ``load_weights`` run on the real
+        tensors of what fell back and of the files that are not
+        safetensors. Returns the names the loaders loaded."""
+        import torch
+
+        from . import _weight_plan as wp
+        from ._convert import torch_dtype, torch_shape
+
+        o = self.options
+        sels = [self._select(s) for s in self._sources(model)]
+        readers, stand_ins, packed = {}, [], {}
+        nbytes = {}
+        for i, sel in enumerate(sels):
+            if not sel["items"]:
+                continue
+            r = _native.Reader(sel["folder"], dirs=o["dirs"], mirrors=o["mirrors"], route=o["route"], direct=o["direct"], env=True)
+            readers[i] = r
+            prefix = sel["source"].prefix
+            for n in sel["items"]:
+                dtype, shape, size, _off = r.info(n)
+                nbytes[(i, n)] = size
+                if dtype == "F4":
+                    # Two elements to a byte in torch: a box of the header's
+                    # elements is not one of torch's.
+                    packed[(i, n)] = "a packed dtype (F4: two elements per byte)"
+                    continue
+                stand_ins.append(wp.StandIn(prefix + n, (i, n), torch_dtype(dtype), torch_shape(dtype, shape, n)))
+        tr = wp.trace(model.load_weights, model, stand_ins)
+        plan = wp.check(tr, model, stand_ins)
+        fallback = collections.OrderedDict(packed)
+        fallback.update(plan.fallback)
+        info = {"used": True, "trace_seconds": tr.seconds, "trace_runs": tr.runs, "in_place_bytes": 0, "staged_bytes": 0}
+        force_pipeline = os.environ.get("WEIGHTSTREAM_FORCE_DEVICE_PATH", "") not in ("", "0")
+        info.update(wp.fill(plan, readers, pipeline=force_pipeline))
+        for r in readers.values():
+            self._warnings(r)
+        planned = set(plan.planned)
+        self.report["tensors"] += len(planned)
+        self.report["bytes"] += sum(nbytes[k] for k in planned)
+        info["planned_tensors"] = len(planned)
+        info["planned_bytes"] = sum(nbytes[k] for k in planned)
+        info["unused_tensors"] = len(plan.unused)
+        info["unused_bytes"] = sum(nbytes[k] for k in plan.unused)
+        info["fallback_tensors"] = len(fallback)
+        info["fallback_bytes"] = sum(nbytes[k] for k in fallback)
+        reasons = collections.OrderedDict()
+        for k, why in fallback.items():
+            g = reasons.setdefault(why, {"tensors": 0, "bytes": 0, "names": []})
+            g["tensors"] += 1
+            g["bytes"] += nbytes[k]
+            if len(g["names"]) < 3:
+                g["names"].append(sels[k[0]]["source"].prefix + k[1])
+        info["fallback_reasons"] = reasons
+        self.report["plan"] = info
+        for r in readers.values():
+            r.close()
+        # What was not planned: through the loaders, as the load without a
+        # plan would hand it (file order, vLLM's iterator for the rest).
+        loaded = set(tr.loaded or ()) if tr.whole_reason is None else set()
+        if fallback or any(sel["others"] for sel in sels):
+
+            def rest():
+                for i, sel in enumerate(sels):
+                    if sel["others"]:
+                        yield from self._vllm_weights(sel["source"], sel["others"])
+                    names = [n for n in sel["items"] if (i, n) in fallback]
+                    if names:
+                        yield from self._stream(sel, names)
+
+            more = model.load_weights(rest())
+            if more is None:
+                return None if tr.loaded is None else loaded
+            loaded |= set(more)
+        elif tr.loaded is None:
+            return None
+        return loaded
+
+    def _all_weights(self, model):
+        for source in self._sources(model):
             yield from self._source_weights(source)
 
-    def _source_weights(self, source):
+    def _select(self, source):
+        """What of ``source`` is read, and how: a dict with ``source``,
+        ``folder``, ``items`` (the safetensors tensors vLLM would read,
+        ``[name]`` in file order, after vLLM's filters) and ``others`` (its
+        files that are not safetensors, for vLLM's own iterator)."""
         d = self._default
         o = self.options
         # Split across folders, the index names shards the folder lacks,
@@ -120,16 +304,15 @@ class WeightstreamModelLoader(BaseModelLoader):
             named = _index_shards(os.path.join(folder, index_file))
             if named is not None:
                 files = [f for f in files if os.path.basename(f) in named]
+        sel = {"source": source, "folder": folder, "items": [], "others": []}
         # What weightstream does not read (a model's `.pt` or `.bin` heads,
         # such as BGE-M3's sparse_linear.pt, named by the source's own
         # patterns): vLLM's own iterator reads it, as `auto` would, said in
         # vLLM's log with the files named. Never a weight skipped.
-        others = [f for f in files if not f.endswith(".safetensors")]
-        if others:
-            yield from self._vllm_weights(source, others)
-            files = [f for f in files if f.endswith(".safetensors")]
-            if not files:
-                return
+        sel["others"] = [f for f in files if not f.endswith(".safetensors")]
+        files = [f for f in files if f.endswith(".safetensors")]
+        if not files:
+            return sel
         if d._encoder_only_lm_prefixes is not None and files:
             files = filter_mm_encoder_only_safetensors_files(
                 files, folder, index_file, d._encoder_only_lm_prefixes, weights_mapper=d._encoder_only_weights_mapper
@@ -145,7 +328,6 @@ class WeightstreamModelLoader(BaseModelLoader):
         def wanted(file):
             return os.path.basename(file) in kept or os.path.realpath(os.path.dirname(file)) != here
 
-        items = []
         for name, _dtype, _shape, nbytes, file, offset, _drives in sorted(catalog, key=lambda e: (e[4], e[5], e[0])):
             if not wanted(file):
                 continue
@@ -155,8 +337,24 @@ class WeightstreamModelLoader(BaseModelLoader):
             if should_skip_weight(name, d.local_expert_ids):
                 self.report["skipped_experts"] += 1
                 continue
-            items.append((name, None))
-            self.report["bytes"] += nbytes
+            sel["items"].append(name)
+        return sel
+
+    def _source_weights(self, source):
+        """``source``'s tensors for ``model.load_weights``: its other files
+        through vLLM's iterator, then weightstream's stream (or, with
+        ``tp: exchange``, the group's shared reads)."""
+        sel = self._select(source)
+        if sel["others"]:
+            yield from self._vllm_weights(source, sel["others"])
+        if sel["items"]:
+            yield from self._stream(sel, sel["items"])
+
+    def _stream(self, sel, names):
+        """``names`` of ``sel``'s folder, each in memory of its own, in the
+        order given, ``window`` reads in flight."""
+        o = self.options
+        source, folder = sel["source"], sel["folder"]
         group = _tp_group() if o["tp"] == "exchange" else None
         if group is not None:
             # The ranks of the tensor-parallel group share the reads: each
@@ -172,12 +370,13 @@ class WeightstreamModelLoader(BaseModelLoader):
                 mirrors=o["mirrors"],
                 route=o["route"],
                 direct=o["direct"],
-                select={n for n, _ in items},
+                select=set(names),
                 report=exchanged,
                 env=True,
                 inherit=False,
             ):
                 self.report["tensors"] += 1
+                self.report["bytes"] += t.numel() * t.element_size()
                 yield source.prefix + name, t
             self.report["exchange"] = exchanged
             return
@@ -188,7 +387,7 @@ class WeightstreamModelLoader(BaseModelLoader):
             route=o["route"],
             direct=o["direct"],
             window=o["window"],
-            items=items,
+            items=[(n, None) for n in names],
             env=True,
             # vLLM copies each tensor into its parameters and drops it, and
             # its workers fork nothing: no hand-over to forked children
@@ -196,9 +395,11 @@ class WeightstreamModelLoader(BaseModelLoader):
             inherit=False,
         )
         for name, dtype, shape, payload in stream:
+            t = to_torch(payload, dtype, shape)
             self.report["tensors"] += 1
-            yield source.prefix + name, to_torch(payload, dtype, shape)
-
+            self.report["bytes"] += t.numel() * t.element_size()
+            yield source.prefix + name, t
+        self._warnings(stream)
 
     def _vllm_weights(self, source, files):
         """``files`` (not safetensors) through vLLM's own ``.pt``/``.bin``
@@ -216,6 +417,19 @@ class WeightstreamModelLoader(BaseModelLoader):
         for name, tensor in pt_weights_iterator(files, lc.use_tqdm_on_load, lc.pt_load_map_location):
             self.report["vllm_tensors"] += 1
             yield source.prefix + name, tensor
+
+
+def _read_bytes():
+    """Bytes this process has had read from storage (``/proc/self/io``'s
+    read_bytes, all its threads; 0 where the kernel does not say)."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
 
 
 def _index_shards(index_path):

@@ -3,7 +3,7 @@ what ``weightstream.vllm`` documents and the loader (``_vllm_loader``)
 reads, in a module of their own so that neither imports the other."""
 
 # The options `--model-loader-extra-config` may give.
-OPTIONS = ("dirs", "mirrors", "route", "direct", "window", "tp", "prepare")
+OPTIONS = ("dirs", "mirrors", "route", "direct", "window", "tp", "prepare", "plan")
 # With tensor parallelism: each rank reads every tensor it needs itself
 # ("each"), or the ranks of the group share the reads and send each other
 # the rest ("exchange", weightstream.torch.iter_distributed over the group's
@@ -30,7 +30,10 @@ def parse_options(extra):
     opened), `window` (reads in flight, 1 to 1024, default 8), `tp`
     ("each" or "exchange", with tensor parallelism), `prepare` (make the
     parameters' pages ready for vLLM's copies on a helper thread while the
-    reads run; default true). An unknown key or a
+    reads run; default true), `plan` (trace the model's own weight loaders
+    on metadata stand-ins and read each tensor's bytes straight into the
+    parameters it lands in; what cannot be planned goes through the
+    loaders as before; default true). An unknown key or a
     bad value is a ValueError naming it, before anything is read."""
     if extra is None:
         extra = {}
@@ -39,7 +42,7 @@ def parse_options(extra):
     unknown = sorted(set(extra) - set(OPTIONS))
     if unknown:
         raise ValueError(f"load format weightstream: unknown extra config keys {unknown} (it takes {list(OPTIONS)})")
-    opts = {"dirs": None, "mirrors": None, "route": None, "direct": None, "window": DEFAULT_WINDOW, "tp": DEFAULT_TP, "prepare": True}
+    opts = {"dirs": None, "mirrors": None, "route": None, "direct": None, "window": DEFAULT_WINDOW, "tp": DEFAULT_TP, "prepare": True, "plan": True}
     for key in ("dirs", "mirrors"):
         if extra.get(key) is not None:
             opts[key] = _paths(extra[key], key)
@@ -60,4 +63,8 @@ def parse_options(extra):
     if not isinstance(prepare, bool):
         raise ValueError(f"load format weightstream: prepare must be true or false, got {prepare!r}")
     opts["prepare"] = prepare
+    plan = extra.get("plan", True)
+    if not isinstance(plan, bool):
+        raise ValueError(f"load format weightstream: plan must be true or false, got {plan!r}")
+    opts["plan"] = plan
     return opts
