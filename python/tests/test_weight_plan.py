@@ -1,0 +1,192 @@
+"""The load plan (weightstream._weight_plan) on toy modules whose loaders do
+what vLLM's do (fused qkv rows, column shards, stacked experts, a zeroed
+padding, casts, transposes, computed values, concatenations, overlapping
+and missing writes, a loader that raises, a loader that replaces a
+parameter): what is planned, what falls back and why, and, filled from a
+real checkpoint with the fallback run on real tensors, the parameters'
+bytes equal the loader's own run on the real tensors. No vLLM needed."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+st = pytest.importorskip("safetensors.torch")
+
+import weightstream._native as native  # noqa: E402
+from weightstream import _weight_plan as wp  # noqa: E402
+
+
+class Toy(torch.nn.Module):
+    """Parameters shaped as vLLM's fused and sharded layers hold them, and
+    a load_weights with one branch per pattern."""
+
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        z = lambda *s: torch.nn.Parameter(torch.empty(*s, dtype=dtype), requires_grad=False)  # noqa: E731
+        self.qkv = z(24, 8)  # q 16 rows, k 4, v 4
+        self.col = z(6, 5)  # columns 5-9 of a (6, 10) tensor: a column shard
+        self.gate_up = z(2, 12, 8)  # 2 experts, gate rows 0-5 and up 6-11
+        self.emb = z(10, 8)  # 8 rows from the checkpoint, 2 padding rows zeroed
+        self.inter = z(4, 6)  # columns 0-2 from a, 3-5 from b: a strided destination
+        self.cast = z(4, 4)
+        self.tr = z(4, 3)
+        self.scaled = z(4, 4)
+        self.cat = z(8, 4)
+        self.twice = z(4, 4)
+        self.halved = z(4, 4)
+        self.boom = z(2, 2)
+        self.swap = z(3, 3)
+        self.loaded_names = []
+
+    def load_weights(self, weights):
+        loaded = set()
+        cat_parts = []
+        for name, w in weights:
+            if name in ("q", "k", "v"):
+                off, n = {"q": (0, 16), "k": (16, 4), "v": (20, 4)}[name]
+                self.qkv.data.narrow(0, off, n).copy_(w)
+                loaded.add("qkv")
+            elif name == "col":
+                self.col.data.copy_(w.narrow(1, 5, 5))
+                loaded.add("col")
+            elif name.startswith("experts."):
+                _, e, which = name.split(".")
+                rows = slice(0, 6) if which == "gate" else slice(6, 12)
+                self.gate_up.data[int(e), rows].copy_(w)
+                loaded.add("gate_up")
+            elif name == "emb":
+                self.emb.data[: w.shape[0]].copy_(w)
+                self.emb.data[w.shape[0] :].fill_(0)
+                loaded.add("emb")
+            elif name in ("inter_a", "inter_b"):
+                c = 0 if name == "inter_a" else 3
+                self.inter.data[:, c : c + 3].copy_(w)
+                loaded.add("inter")
+            elif name == "cast":
+                self.cast.data.copy_(w.to(torch.float32))
+                loaded.add("cast")
+            elif name == "tr":
+                self.tr.data.copy_(w.t())
+                loaded.add("tr")
+            elif name == "scaled":
+                self.scaled.data.copy_(w * 2)
+                loaded.add("scaled")
+            elif name in ("cat_a", "cat_b"):
+                cat_parts.append(w)
+                if len(cat_parts) == 2:
+                    self.cat.data.copy_(torch.cat(cat_parts))
+                    loaded.add("cat")
+            elif name in ("twice_a", "twice_b"):
+                self.twice.data.copy_(w)
+                loaded.add("twice")
+            elif name == "half":
+                self.halved.data[:2].copy_(w)
+                loaded.add("halved")
+            elif name == "boom":
+                if w.device.type == "meta":
+                    raise RuntimeError("a loader that reads values (.item())")
+                self.boom.data.copy_(w)
+                loaded.add("boom")
+            elif name == "swap":
+                self.swap = torch.nn.Parameter(w, requires_grad=False)
+                loaded.add("swap")
+            elif name == "unused":
+                pass
+        return loaded
+
+
+def checkpoint(path, dtype=torch.float32):
+    g = torch.Generator().manual_seed(47)
+    r = lambda *s, dt=dtype: torch.randn(*s, generator=g).to(dt)  # noqa: E731
+    t = {
+        "q": r(16, 8), "k": r(4, 8), "v": r(4, 8),
+        "col": r(6, 10),
+        "emb": r(8, 8),
+        "inter_a": r(4, 3), "inter_b": r(4, 3),
+        "cast": r(4, 4, dt=torch.float16),
+        "tr": r(3, 4),
+        "scaled": r(4, 4),
+        "cat_a": r(4, 4), "cat_b": r(4, 4),
+        "twice_a": r(4, 4), "twice_b": r(4, 4),
+        "half": r(2, 4),
+        "boom": r(2, 2),
+        "swap": r(3, 3),
+        "unused": r(5),
+    }
+    for e in range(2):
+        t[f"experts.{e}.gate"] = r(6, 8)
+        t[f"experts.{e}.up"] = r(6, 8)
+    st.save_file(t, str(path))
+    return t
+
+
+def plan_for(model, reader, names):
+    from weightstream._convert import torch_dtype
+
+    ins = []
+    for n in names:
+        dtype, shape, _nbytes, _off = reader.info(n)
+        ins.append(wp.StandIn(n, (0, n), torch_dtype(dtype), shape))
+    tr = wp.trace(model.load_weights, model, ins)
+    return tr, wp.check(tr, model, ins)
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_a_plan_fills_what_the_loader_would_write_and_names_each_fallback(tmp_path, pipeline):
+    f = tmp_path / "toy.safetensors"
+    tensors = checkpoint(f)
+    reader = native.Reader(str(f))
+    names = list(tensors)
+    model = Toy()
+    for p in model.parameters():
+        p.data.fill_(float("nan"))  # what the plan leaves unwritten shows
+    tr, plan = plan_for(model, reader, names)
+    keys = lambda ks: sorted(k[1] for k in ks)  # noqa: E731
+    assert keys(plan.planned) == sorted(
+        ["q", "k", "v", "col", "emb", "inter_a", "inter_b"] + [f"experts.{e}.{w}" for e in range(2) for w in ("gate", "up")]
+    )
+    why = {k[1]: r for k, r in plan.fallback.items()}
+    assert "cast" in why["cast"]
+    assert "transpose" in why["tr"] or "not a box" in why["tr"]
+    assert "computes on values" in why["scaled"]
+    assert "concatenation" in why["cat_a"] and "concatenation" in why["cat_b"]
+    assert "overlap" in why["twice_a"] and "overlap" in why["twice_b"]
+    assert "raised" in why["boom"]
+    assert "param.data" in why["swap"]
+    assert "not written by the loader" in why["half"]
+    assert keys(plan.unused) == ["unused"]
+    # The parameters the trace touched are as they were (nan), but the
+    # padding the loader zeroes (a write no checkpoint tensor feeds).
+    assert torch.isnan(model.qkv).all() and torch.isnan(model.swap).all()
+    assert (model.emb[8:] == 0).all() and torch.isnan(model.emb[:8]).all()
+
+    got = wp.fill(plan, {0: reader}, pipeline=pipeline)
+    planned_bytes = sum(reader.info(k[1])[2] for k in plan.planned) - 6 * 5 * 4  # col: 5 of its 10 columns
+    assert got["bytes"] == planned_bytes, got
+    if pipeline:
+        assert got["device_bytes"] == got["bytes"]
+    model.load_weights((n, tensors[n]) for n in names if (0, n) in plan.fallback)
+
+    ref = Toy()
+    for p in ref.parameters():
+        p.data.fill_(float("nan"))
+    ref.load_weights(tensors.items())
+    for (n, a), (_, b) in zip(model.named_parameters(), ref.named_parameters()):
+        assert a.shape == b.shape and a.dtype == b.dtype, n
+        assert bytes(a.detach().contiguous().view(-1).view(torch.uint8).numpy()) == bytes(
+            b.detach().contiguous().view(-1).view(torch.uint8).numpy()
+        ), n
+
+
+def test_a_changed_checkpoint_never_meets_a_stale_plan(tmp_path):
+    """Each load traces its own plan from the headers it opens: a tensor
+    whose shape changed between two loads is planned by its new shape,
+    and one that the loader can no longer take whole falls back."""
+    f = tmp_path / "toy.safetensors"
+    tensors = checkpoint(f)
+    model = Toy()
+    _tr, first = plan_for(model, native.Reader(str(f)), list(tensors))
+    assert (0, "q") in first.planned
+    tensors["q"] = torch.randn(12, 8)  # 12 rows where the layer takes 16
+    st.save_file(tensors, str(f))
+    _tr, second = plan_for(model, native.Reader(str(f)), list(tensors))
+    assert (0, "q") in second.fallback and (0, "q") not in second.planned, second.fallback
