@@ -71,16 +71,16 @@ class WeightstreamModelLoader(BaseModelLoader):
         }
         t0 = time.perf_counter()
         read0 = _read_bytes()
-        prep = _Prepare(model if self.options["prepare"] else None)
         why_not = self._why_no_plan(model_config)
-        try:
-            if why_not is None:
-                loaded = self._load_planned(model)
-            else:
-                self.report["plan"] = {"used": False, "why_not": why_not}
+        if why_not is None:
+            loaded = self._load_planned(model)
+        else:
+            self.report["plan"] = {"used": False, "why_not": why_not}
+            prep = _Prepare(model if self.options["prepare"] else None)
+            try:
                 loaded = model.load_weights(self._all_weights(model))
-        finally:
-            self.report["prepared"] = prep.stop()
+            finally:
+                self.report["prepared"] = prep.stop()
         seconds = time.perf_counter() - t0
         refused = self.report["prepared"]["refused"]
         if refused:
@@ -132,12 +132,13 @@ class WeightstreamModelLoader(BaseModelLoader):
         if plan.get("used"):
             logger.info(
                 "weightstream plan: %d tensors (%.3f GB) read straight into the parameters (%.3f GB in place, %.3f GB "
-                "staged and copied), %d tensors (%.3f GB) through vLLM's loaders, %d the model does not use (not "
+                "staged and copied; %d parameters moved in phase with their files), %d tensors (%.3f GB) through vLLM's loaders, %d the model does not use (not "
                 "read); traced in %.3f s (%d run(s) of the loaders)",
                 plan["planned_tensors"],
                 plan["planned_bytes"] / 1e9,
                 plan["in_place_bytes"] / 1e9,
                 plan["staged_bytes"] / 1e9,
+                plan["rehomed"]["parameters"],
                 plan["fallback_tensors"],
                 plan["fallback_bytes"] / 1e9,
                 plan["unused_tensors"],
@@ -228,11 +229,19 @@ class WeightstreamModelLoader(BaseModelLoader):
                 stand_ins.append(wp.StandIn(prefix + n, (i, n), torch_dtype(dtype), torch_shape(dtype, shape, n)))
         tr = wp.trace(model.load_weights, model, stand_ins)
         plan = wp.check(tr, model, stand_ins)
+        # Parameters a planned tensor fills whole, out of phase with its
+        # file offset, move to memory of their own in phase (before the
+        # helper prepares their pages): the reads land in them in place.
+        rehomed = wp.rehome(plan, model, readers)
+        prep = _Prepare(model if o["prepare"] else None)
         fallback = collections.OrderedDict(packed)
         fallback.update(plan.fallback)
-        info = {"used": True, "trace_seconds": tr.seconds, "trace_runs": tr.runs, "in_place_bytes": 0, "staged_bytes": 0}
+        info = {"used": True, "trace_seconds": tr.seconds, "trace_runs": tr.runs, "rehomed": rehomed}
         force_pipeline = os.environ.get("WEIGHTSTREAM_FORCE_DEVICE_PATH", "") not in ("", "0")
-        info.update(wp.fill(plan, readers, pipeline=force_pipeline))
+        try:
+            info.update(wp.fill(plan, readers, pipeline=force_pipeline))
+        finally:
+            self.report["prepared"] = prep.stop()
         for r in readers.values():
             self._warnings(r)
         planned = set(plan.planned)

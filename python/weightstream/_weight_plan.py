@@ -669,6 +669,104 @@ def fill(plan, readers, pipeline=False):
     return out
 
 
+def rehome(plan, model, readers):
+    """Moves CPU parameters into memory of their own in phase with the
+    files their planned writes read (``address % A == offset % A``, A the
+    reader's O_DIRECT block), so that the fill reads them in place, with no
+    staging and no copy: torch's allocator hands out memory at 64 bytes,
+    in phase by chance once in 64. A storage's writes may each want
+    another phase; it takes the phase most of its bytes want (a fused qkv
+    whose q, k and v lie in a row in one file: all of them). Only a
+    parameter that alone holds its storage, whole, moves (no other
+    parameter, buffer or view: the storage's use count); ``param.data``
+    is replaced, the Parameter object kept (vLLM's attributes on it, ties,
+    the module's tables unchanged), the old storage freed. Returns
+    ``{"parameters", "bytes"}`` moved."""
+    out = {"parameters": 0, "bytes": 0, "held_elsewhere": 0, "shared": 0, "in_phase": 0}
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return out
+    by_storage = collections.OrderedDict()
+    for w in plan.writes:
+        by_storage.setdefault(storage_key(w.dest), []).append(w)
+    dests = destinations(model)
+    for sk, writes in by_storage.items():
+        owners = dests.get(sk, [])
+        if writes[0].dest.device.type != "cpu":
+            continue
+        if len(owners) != 1:
+            out["shared"] += 1
+            continue
+        _name, p = owners[0]
+        if not isinstance(p, torch.nn.Parameter) or p.requires_grad or p.storage_offset() != 0 or not p.is_contiguous():
+            continue
+        st = p.untyped_storage()
+        nbytes = p.numel() * p.element_size()
+        if st.nbytes() != nbytes:
+            continue
+        base = p.data_ptr()
+        # The phase each write wants, by its bytes: a box that is one run of
+        # its file (leading rows, the rest whole) into a contiguous view.
+        want = collections.Counter()
+        align = None
+        for w in writes:
+            r = readers[w.key[0]]
+            align = align or r.direct_align()
+            _dtype, shape, tbytes, off = r.info(w.key[1])
+            start = _run_start(shape, w.box, tbytes)
+            if start is None or not w.dest.is_contiguous():
+                continue
+            at = w.dest.data_ptr() - base
+            want[(off + start - at) % align] += w.dest.numel() * w.dest.element_size()
+        if not want:
+            continue
+        phase, _ = want.most_common(1)[0]
+        if base % align == phase:
+            out["in_phase"] += 1
+            continue
+        # Holders of the storage: the parameter, `st`, and the plan's views.
+        views = len(writes)
+        if count(st._cdata) > 2 + views:
+            out["held_elsewhere"] += 1
+            continue
+        del st
+        es = p.element_size()
+        raw = torch.empty(nbytes + align, dtype=torch.uint8)
+        skip = (phase - raw.data_ptr()) % align
+        if skip % es:
+            continue  # the file offsets are not multiples of the element size
+        new = raw[skip : skip + nbytes].view(p.dtype).view(p.shape)
+        del raw
+        for w in writes:
+            d = w.dest
+            # The same view of the new storage (offsets from its start).
+            w.dest = new.as_strided(d.shape, d.stride(), new.storage_offset() + d.storage_offset())
+        p.data = new
+        out["parameters"] += 1
+        out["bytes"] += nbytes
+    return out
+
+
+def _run_start(shape, box, tbytes):
+    """The byte offset in its tensor's payload where ``box`` starts when
+    the box is one run of the payload (single elements in its outer
+    dimensions, a range in one, the inner dimensions whole), else None."""
+    elems = 1
+    for n in shape:
+        elems *= n
+    if elems == 0:
+        return None
+    k = 0
+    while k < len(shape) and box[k][1] - box[k][0] == 1 and shape[k] != 1:
+        k += 1
+    if any(box[d] != (0, shape[d]) for d in range(k + 1, len(shape))):
+        return None
+    flat = 0
+    for d, n in enumerate(shape):
+        flat = flat * n + box[d][0]
+    return flat * tbytes // elems
+
+
 def _cpu_bytes(address, nbytes):
     """``nbytes`` of CPU memory at ``address`` (a parameter's, which keeps
     it alive) as a uint8 tensor."""
