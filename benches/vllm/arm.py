@@ -102,6 +102,9 @@ def vllm_arm(fmt, d):
         max_model_len=128,
         max_num_seqs=4,
         distributed_executor_backend="uni",
+        # WS_VLLM_EXTRA: the weightstream format's options (JSON), e.g.
+        # '{"plan": false}' for the load without a plan.
+        model_loader_extra_config=json.loads(os.environ.get("WS_VLLM_EXTRA") or "{}") if fmt == "weightstream" else {},
     )
     construct = time.perf_counter() - t0
     outs = llm.generate([{"prompt_token_ids": [1, 5, 9, 33, 100]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)

@@ -29,10 +29,36 @@ def register():
     if _registered:
         return
     try:
-        from vllm.model_executor.model_loader import register_model_loader
+        from vllm.model_executor import model_loader as ml
     except ImportError:
         return
-    from ._vllm_loader import WeightstreamModelLoader
+    from ._vllm_loader import WeightstreamModelLoader, logger
 
-    register_model_loader("weightstream")(WeightstreamModelLoader)
+    # vLLM's register_model_loader says "Registered model loader" at INFO
+    # in every process (the engine core, each worker): the table's entry
+    # is set here, said at DEBUG.
+    ml._LOAD_FORMAT_TO_MODEL_LOADER["weightstream"] = WeightstreamModelLoader
+    logger.debug("weightstream: load format registered (%s)", WeightstreamModelLoader.__name__)
+    _check_options_in_the_front_end()
     _registered = True
+
+
+def _check_options_in_the_front_end():
+    """Options are parsed where vLLM makes its load config (the front-end
+    process, from the command line or LLM(...)): an unknown key or a bad
+    value is refused there at once, not in a worker's traceback later."""
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+    except ImportError:
+        return
+    make = EngineArgs.create_load_config
+    if getattr(make, "_weightstream", False):
+        return
+
+    def create_load_config(self):
+        if self.load_format == "weightstream":
+            parse_options(self.model_loader_extra_config or None)
+        return make(self)
+
+    create_load_config._weightstream = True
+    EngineArgs.create_load_config = create_load_config
