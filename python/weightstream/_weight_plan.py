@@ -41,6 +41,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ._load_into import _overlaps_itself
+
 # Pieces one strided write may be cut into (contiguous runs) before it is
 # called a layout the fill cannot write.
 MAX_PIECES = 4096
@@ -276,10 +278,6 @@ class _Tracer(TorchDispatchMode):
 
 def _squeezed(shape):
     return [n for n in shape if n != 1]
-
-
-def _overlaps_itself(t):
-    return any(n > 1 and st == 0 for n, st in zip(t.shape, t.stride()))
 
 
 def _canonical(offset, shape, strides):
