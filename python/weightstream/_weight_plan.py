@@ -722,9 +722,16 @@ def rehome(plan, model, readers):
         if base % align == phase:
             out["in_phase"] += 1
             continue
-        # Holders of the storage: the parameter, `st`, and the plan's views.
-        views = len(writes)
-        if count(st._cdata) > 2 + views:
+        # Holders of the storage: the parameter, `st`, and the plan's
+        # destinations, each made a plain tensor on the storage (a view's
+        # base, a `param.data` alias of the trace, would hold it too and
+        # hide a holder that is not ours): anything more (a module's view
+        # of the parameter, another tensor) and the parameter stays.
+        for w in writes:
+            d = w.dest
+            w.dest = torch.empty(0, dtype=d.dtype).set_(st, d.storage_offset(), d.shape, d.stride())
+            del d
+        if count(st._cdata) > 2 + len(writes):
             out["held_elsewhere"] += 1
             continue
         del st
