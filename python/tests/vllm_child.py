@@ -142,7 +142,7 @@ def expert_filter(job):
     try:
         loader = get_model_loader(LoadConfig(load_format="weightstream", model_loader_extra_config=job.get("extra") or {}))
         loader._default.local_expert_ids = set(job["local_expert_ids"])
-        loader.report = {"tensors": 0, "bytes": 0, "skipped_experts": 0, "skipped_unused": 0}
+        loader.report = loader.new_report()
         source = DefaultModelLoader.Source(job["model"], None, prefix="", fall_back_to_pt=False)
         names = [n for n, _ in loader._source_weights(source)]
         return {"names": names, "report": loader.report}

@@ -49,17 +49,12 @@ class WeightstreamModelLoader(BaseModelLoader):
         self._default = DefaultModelLoader(
             dataclasses.replace(load_config, load_format="safetensors", model_loader_extra_config={})
         )
-        self.report = {}
+        self.report = self.new_report()
 
-    def download_model(self, model_config):
-        self._default.download_model(model_config)
-
-    def load_weights(self, model, model_config):
-        d = self._default
-        self._model_config = model_config
-        d._init_ep_weight_filter(model_config)
-        d._init_mm_encoder_only_weight_filter(model, model_config)
-        self.report = {
+    @staticmethod
+    def new_report():
+        """An empty report of one load: what `load_weights` fills."""
+        return {
             "tensors": 0,
             "bytes": 0,
             "skipped_experts": 0,
@@ -69,6 +64,16 @@ class WeightstreamModelLoader(BaseModelLoader):
             "warnings": [],
             "drives": {},
         }
+
+    def download_model(self, model_config):
+        self._default.download_model(model_config)
+
+    def load_weights(self, model, model_config):
+        d = self._default
+        self._model_config = model_config
+        d._init_ep_weight_filter(model_config)
+        d._init_mm_encoder_only_weight_filter(model, model_config)
+        self.report = self.new_report()
         t0 = time.perf_counter()
         read0 = _read_bytes()
         why_not = self._why_no_plan(model_config)
