@@ -35,6 +35,9 @@ class Toy(torch.nn.Module):
         self.halved = z(4, 4)
         self.boom = z(2, 2)
         self.swap = z(3, 3)
+        # A view of a parameter kept outside the parameter tables (as a
+        # layer caching a slice of its weight): its storage must not move.
+        self.expert0 = self.gate_up.data[0]
         self.loaded_names = []
 
     def load_weights(self, weights):
@@ -130,8 +133,13 @@ def plan_for(model, reader, names):
     return tr, wp.check(tr, model, ins)
 
 
-@pytest.mark.parametrize("pipeline", [False, True])
-def test_a_plan_fills_what_the_loader_would_write_and_names_each_fallback(tmp_path, pipeline):
+@pytest.mark.parametrize("way", ["fill", "pipeline", "rehome"])
+def test_a_plan_fills_what_the_loader_would_write_and_names_each_fallback(tmp_path, way):
+    """``fill``: Engine::fill into the parameters where they lie;
+    ``pipeline``: load_into's device pipeline; ``rehome``: the parameters
+    moved in phase with their files first (the padding the trace zeroed
+    goes along; one held by a view elsewhere stays), then the fill."""
+    pipeline = way == "pipeline"
     f = tmp_path / "toy.safetensors"
     tensors = checkpoint(f)
     reader = native.Reader(str(f))
@@ -159,7 +167,23 @@ def test_a_plan_fills_what_the_loader_would_write_and_names_each_fallback(tmp_pa
     assert torch.isnan(model.qkv).all() and torch.isnan(model.swap).all()
     assert (model.emb[8:] == 0).all() and torch.isnan(model.emb[:8]).all()
 
+    if way == "rehome":
+        before = {n: p.data_ptr() for n, p in model.named_parameters()}
+        moved = wp.rehome(plan, model, {0: reader}, tr.other_writes)
+        after = {n: p.data_ptr() for n, p in model.named_parameters()}
+        assert moved["parameters"] + moved["in_phase"] == 2, moved  # qkv, emb
+        assert moved["stayed"] == {
+            "no write is one run of its file": ["col", "inter"],
+            "held by another tensor": ["gate_up"],
+        }, moved
+        assert after["gate_up"] == before["gate_up"] and model.expert0.data_ptr() == before["gate_up"]
+        assert moved["in_phase"] or (after["emb"] != before["emb"] and after["qkv"] != before["qkv"]), moved
+        assert (model.emb[8:] == 0).all(), "the padding the trace zeroed moved with the parameter"
     got = wp.fill(plan, {0: reader}, pipeline=pipeline)
+    if way == "rehome":
+        # The toy's tensors are smaller than a block: all staged (the
+        # in-place reads: the next test).
+        assert got["in_place_bytes"] + got["staged_bytes"] == got["bytes"], got
     planned_bytes = sum(reader.info(k[1])[2] for k in plan.planned) - 6 * 5 * 4  # col: 5 of its 10 columns
     assert got["bytes"] == planned_bytes, got
     if pipeline:
@@ -175,6 +199,66 @@ def test_a_plan_fills_what_the_loader_would_write_and_names_each_fallback(tmp_pa
         assert bytes(a.detach().contiguous().view(-1).view(torch.uint8).numpy()) == bytes(
             b.detach().contiguous().view(-1).view(torch.uint8).numpy()
         ), n
+
+
+class Big(torch.nn.Module):
+    """One fused parameter of two checkpoint tensors that lie in a row in
+    their file (as a qkv's do), and a padded embedding."""
+
+    def __init__(self):
+        super().__init__()
+        self.fused = torch.nn.Parameter(torch.empty(96, 256), requires_grad=False)
+        self.emb = torch.nn.Parameter(torch.empty(40, 256), requires_grad=False)
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            if name == "a_part":
+                self.fused.data[:64].copy_(w)
+            elif name == "b_part":
+                self.fused.data[64:].copy_(w)
+            elif name == "c_emb":
+                self.emb.data[: w.shape[0]].copy_(w)
+                self.emb.data[w.shape[0] :].fill_(0)
+        return {"fused", "emb"}
+
+
+def test_rehome_puts_parameters_in_phase_with_their_files_so_the_fill_reads_them_in_place(tmp_path):
+    """torch's allocator puts a parameter at 64 bytes, in phase with its
+    file by chance; after ``rehome`` each parameter's address agrees with
+    its bytes' file offset modulo the O_DIRECT block, the fill reads all
+    of them in place (the file's first and last partial blocks aside),
+    the padding the trace zeroed is still zero and the bytes equal the
+    loader's own run."""
+    f = tmp_path / "big.safetensors"
+    g = torch.Generator().manual_seed(5)
+    # "_": 100 bytes ahead of the others, so that their offsets are not
+    # block-aligned in the file.
+    tensors = {
+        "_": torch.zeros(25),
+        "a_part": torch.randn(64, 256, generator=g),
+        "b_part": torch.randn(32, 256, generator=g),
+        "c_emb": torch.randn(37, 256, generator=g),
+    }
+    st.save_file(tensors, str(f))
+    reader = native.Reader(str(f))
+    model = Big()
+    tr, plan = plan_for(model, reader, ["a_part", "b_part", "c_emb"])
+    assert len(plan.writes) == 3 and not plan.fallback
+    moved = wp.rehome(plan, model, {0: reader}, tr.other_writes)
+    assert moved["parameters"] + moved["in_phase"] == 2 and not moved["stayed"], moved
+    align = reader.direct_align()
+    assert model.fused.data_ptr() % align == reader.info("a_part")[3] % align
+    assert model.emb.data_ptr() % align == reader.info("c_emb")[3] % align
+    assert (model.emb[37:] == 0).all()
+    got = wp.fill(plan, {0: reader})
+    assert got["bytes"] == (96 + 37) * 256 * 4
+    # At most the head of the first run and the tail of each parameter's
+    # run are partial blocks (staged).
+    assert got["in_place_bytes"] >= got["bytes"] - 4 * align, got
+    ref = Big()
+    ref.load_weights(tensors.items())
+    for n in ("fused", "emb"):
+        assert torch.equal(getattr(model, n), getattr(ref, n)), n
 
 
 def test_a_changed_checkpoint_never_meets_a_stale_plan(tmp_path):

@@ -159,6 +159,14 @@ class WeightstreamModelLoader(BaseModelLoader):
                     ", ".join(g["names"]),
                     ", ..." if g["tensors"] > len(g["names"]) else "",
                 )
+            for reason, names in plan["rehomed"].get("stayed", {}).items():
+                logger.info(
+                    "weightstream plan: %d parameters left where vLLM put them (read staged where out of phase): %s (%s%s)",
+                    len(names),
+                    reason,
+                    ", ".join(names[:8]),
+                    ", ..." if len(names) > 8 else "",
+                )
         elif plan:
             logger.info("weightstream plan: not used: %s", plan["why_not"])
         if r["drives"]:
@@ -237,7 +245,7 @@ class WeightstreamModelLoader(BaseModelLoader):
         # Parameters a planned tensor fills whole, out of phase with its
         # file offset, move to memory of their own in phase (before the
         # helper prepares their pages): the reads land in them in place.
-        rehomed = wp.rehome(plan, model, readers)
+        rehomed = wp.rehome(plan, model, readers, tr.other_writes)
         prep = _Prepare(model if o["prepare"] else None)
         fallback = collections.OrderedDict(packed)
         fallback.update(plan.fallback)

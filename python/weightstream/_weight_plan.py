@@ -667,7 +667,7 @@ def fill(plan, readers, pipeline=False):
     return out
 
 
-def rehome(plan, model, readers):
+def rehome(plan, model, readers, others=()):
     """Moves CPU parameters into memory of their own in phase with the
     files their planned writes read (``address % A == offset % A``, A the
     reader's O_DIRECT block), so that the fill reads them in place, with no
@@ -678,29 +678,47 @@ def rehome(plan, model, readers):
     parameter that alone holds its storage, whole, moves (no other
     parameter, buffer or view: the storage's use count); ``param.data``
     is replaced, the Parameter object kept (vLLM's attributes on it, ties,
-    the module's tables unchanged), the old storage freed. Returns
-    ``{"parameters", "bytes"}`` moved."""
-    out = {"parameters": 0, "bytes": 0, "held_elsewhere": 0, "shared": 0, "in_phase": 0}
+    the module's tables unchanged), the old storage freed. ``others`` is
+    the trace's ``other_writes``: a write the trace ran into a storage that
+    moves (padding zeroed) is copied to the new storage, the list's view
+    taken there; a write of a key that fell back (vLLM's loader writes it
+    again, into the parameter, later) and an empty one only follow the
+    storage. Returns
+    ``{"parameters", "bytes"}`` moved, ``in_phase`` (already were) and
+    ``stayed``: ``{reason: [parameter names]}`` for those left where they
+    are (said in the loader's log)."""
+    out = {"parameters": 0, "bytes": 0, "in_phase": 0, "stayed": {}}
+
+    def stay(reason, names):
+        out["stayed"].setdefault(reason, []).extend(names)
+
     count = getattr(torch._C, "_storage_Use_Count", None)
     if count is None:
         return out
     by_storage = collections.OrderedDict()
     for w in plan.writes:
         by_storage.setdefault(storage_key(w.dest), []).append(w)
+    other_at = collections.defaultdict(list)
+    for i, other in enumerate(others):
+        if other[0] in by_storage:
+            other_at[other[0]].append(i)
+    other = None  # holds a view: it would count as a holder below
     dests = destinations(model)
     for sk, writes in by_storage.items():
         owners = dests.get(sk, [])
         if writes[0].dest.device.type != "cpu":
             continue
         if len(owners) != 1:
-            out["shared"] += 1
+            stay("several parameters on one storage", [n for n, _ in owners] or ["(no parameter)"])
             continue
-        _name, p = owners[0]
-        if not isinstance(p, torch.nn.Parameter) or p.requires_grad or p.storage_offset() != 0 or not p.is_contiguous():
+        name, p = owners[0]
+        if not isinstance(p, torch.nn.Parameter) or not p.is_leaf:
+            stay("not a parameter of its own (a computed tensor)", [name])
             continue
         st = p.untyped_storage()
         nbytes = p.numel() * p.element_size()
-        if st.nbytes() != nbytes:
+        if p.storage_offset() != 0 or not p.is_contiguous() or st.nbytes() != nbytes:
+            stay("a part of its storage, or strided", [name])
             continue
         base = p.data_ptr()
         # The phase each write wants, by its bytes: a box that is one run of
@@ -717,6 +735,7 @@ def rehome(plan, model, readers):
             at = w.dest.data_ptr() - base
             want[(off + start - at) % align] += w.dest.numel() * w.dest.element_size()
         if not want:
+            stay("no write is one run of its file", [name])
             continue
         phase, _ = want.most_common(1)[0]
         if base % align == phase:
@@ -727,25 +746,41 @@ def rehome(plan, model, readers):
         # base, a `param.data` alias of the trace, would hold it too and
         # hide a holder that is not ours): anything more (a module's view
         # of the parameter, another tensor) and the parameter stays.
+        def plain(d):
+            return torch.empty(0, dtype=d.dtype).set_(st, d.storage_offset(), d.shape, d.stride())
+
         for w in writes:
-            d = w.dest
-            w.dest = torch.empty(0, dtype=d.dtype).set_(st, d.storage_offset(), d.shape, d.stride())
-            del d
-        if count(st._cdata) > 2 + len(writes):
-            out["held_elsewhere"] += 1
+            w.dest = plain(w.dest)
+        for i in other_at[sk]:
+            osk, view, ks = others[i]
+            others[i] = (osk, plain(view), ks)
+            del view
+        if count(st._cdata) > 2 + len(writes) + len(other_at[sk]):
+            stay("held by another tensor", [name])
             continue
-        del st
         es = p.element_size()
         raw = torch.empty(nbytes + align, dtype=torch.uint8)
         skip = (phase - raw.data_ptr()) % align
         if skip % es:
-            continue  # the file offsets are not multiples of the element size
+            stay("file offset not a multiple of the element size", [name])
+            continue
         new = raw[skip : skip + nbytes].view(p.dtype).view(p.shape)
         del raw
-        for w in writes:
-            d = w.dest
+
+        def moved(d):
             # The same view of the new storage (offsets from its start).
-            w.dest = new.as_strided(d.shape, d.stride(), new.storage_offset() + d.storage_offset())
+            return new.as_strided(d.shape, d.stride(), new.storage_offset() + d.storage_offset())
+
+        for w in writes:
+            w.dest = moved(w.dest)
+        for i in other_at[sk]:
+            osk, view, ks = others[i]
+            nv = moved(view)
+            if not ks and view.numel():
+                nv.copy_(view)  # ran in the trace (padding): its bytes go along
+            others[i] = (storage_key(nv), nv, ks)
+            del view, nv
+        del st
         p.data = new
         out["parameters"] += 1
         out["bytes"] += nbytes
