@@ -27,13 +27,25 @@ machine lets us drop it:
                    safetensors before 0.9 or on the CPU (it refuses it)
     ws-load        weightstream.load(dir) alone, host memory (the read
                    rate of the module on this drive)
+    vllm-plan      the vLLM-shaped case (vllm_shaped.py: one tensor-parallel
+                   rank of 2, fused qkv and gate_up, column shards, a
+                   load_weights doing what vLLM's does): weightstream's
+                   load plan traced from that load_weights, each write read
+                   straight into its device parameter (pinned staging,
+                   copies on a side stream), only the rank's bytes read
+    vllm-loader    the same parameters filled as vLLM fills them with any
+                   format: weightstream.load into host memory, then
+                   load_weights' per-tensor copies to the device
 
 After every arm that fills the model, each parameter is compared with a
 reference read once by safetensors (its bytes, on the device), and the
 model is zeroed again. GB/s is over the checkpoint's payload bytes, from
 the call to the device's synchronisation. The CPU time of the process
 (getrusage) per GB is kept too. `--device cpu` runs every line but the
-CUDA ones (a dry run on a machine without a GPU)."""
+CUDA ones (a dry run on a machine without a GPU; vllm-plan then goes
+through the device pipeline all the same). The vLLM-shaped arms' GB/s are
+over the rank's bytes (rank_bytes), compared with a reference that
+load_weights made from safetensors' tensors."""
 
 import argparse
 import json
@@ -45,6 +57,9 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "load_into"))
 import arm  # noqa: E402  (the checkpoint writer and the payload count)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import vllm_shaped  # noqa: E402
 
 
 def cpu():
@@ -102,10 +117,15 @@ def equal(torch, model, ref):
     the checkpoint's random bit patterns include NaNs, which torch.equal
     on bf16 never calls equal."""
 
+    return equal_state(torch, model.state_dict(), ref)
+
+
+def equal_state(torch, sd, ref):
+    """``sd``'s tensors byte-equal ``ref``'s, every name of ``ref``."""
+
     def bits(t):
         return t.detach().reshape(-1).view(torch.uint8)
 
-    sd = model.state_dict()
     bad = [k for k, v in ref.items() if not torch.equal(bits(sd[k]), bits(v))]
     return not bad, bad[:5]
 
@@ -142,13 +162,24 @@ def h2d(torch, n, device):
     return secs
 
 
-def one(torch, name, model, d, n, device):
+def one(torch, name, model, d, n, device, shaped=None):
     import weightstream
     import weightstream.torch as wt
 
     out = {"arm": name}
+    if name.startswith("vllm-"):
+        n = shaped.rank_bytes()
+        out["rank_bytes"] = n
     c0, t0 = cpu(), time.perf_counter()
-    if name == "h2d":
+    if name == "vllm-plan":
+        out["report"] = vllm_shaped.plan_load(torch, shaped, d, pipeline=device.type != "cuda")
+        sync(torch, device)
+        secs = time.perf_counter() - t0
+    elif name == "vllm-loader":
+        vllm_shaped.loader_load(torch, shaped, d)
+        sync(torch, device)
+        secs = time.perf_counter() - t0
+    elif name == "h2d":
         secs = h2d(torch, n, device)
     elif name == "load-into":
         r = wt.load_into(model, d)
@@ -211,6 +242,10 @@ def run(args):
     model = build(torch, d, device)
     ref = reference(torch, d, device)
     arms = args.arms.split(",")
+    shaped = vref = None
+    if any(a.startswith("vllm-") for a in arms):
+        shaped = vllm_shaped.VllmShapedLlama(torch, d, device)
+        vref = vllm_shaped.reference(torch, vllm_shaped.VllmShapedLlama, d, device)
     skipped = {}
     if "st09-prefetch" in arms:
         from importlib.metadata import version
@@ -236,16 +271,21 @@ def run(args):
         for name in arms[k:] + arms[:k]:
             if cold:
                 can_drop_caches()
-            got = one(torch, name, model, d, n, device)
+            got = one(torch, name, model, d, n, device, shaped)
             got["round"] = r + 1
             if name in ("load-into", "ws-load-lsd", "st-load-lsd", "st09-prefetch"):
                 got["equal"], got["differs"] = equal(torch, model, ref)
                 zero(torch, model, device)
+            elif name.startswith("vllm-"):
+                got["equal"], got["differs"] = equal_state(torch, shaped.state(), vref)
+                shaped.zero()
+                sync(torch, device)
             rounds.append(got)
             extra = ""
             if "report" in got:
                 rep = got["report"]
-                extra = f"  in place {rep.get('in_place_bytes', 0) / n:.0%}, device {rep.get('device_bytes', 0) / n:.0%}"
+                of = got.get("rank_bytes", n)
+                extra = f"  in place {rep.get('in_place_bytes', 0) / of:.0%}, device {rep.get('device_bytes', 0) / of:.0%}"
             print(
                 f"round {r + 1} {name:12s} {got['gbps']:7.3f} GB/s {got['seconds']:7.3f} s"
                 f"  CPU {got['cpu_seconds_per_gb']:.3f} s/GB"
@@ -259,6 +299,10 @@ def run(args):
         result["load_into_over_h2d"] = med["load-into"] / med["h2d"]
     if "ws-load" in med and "load-into" in med:
         result["load_into_over_ws_load"] = med["load-into"] / med["ws-load"]
+    if "vllm-plan" in med and "vllm-loader" in med:
+        result["vllm_plan_over_loader"] = med["vllm-plan"] / med["vllm-loader"]
+    if "vllm-plan" in med and "h2d" in med:
+        result["vllm_plan_over_h2d"] = med["vllm-plan"] / med["h2d"]
     if "st09-prefetch" in med and "load-into" in med:
         result["load_into_over_st09_prefetch"] = med["load-into"] / med["st09-prefetch"]
     result["all_equal"] = all(x.get("equal", True) for x in rounds)
@@ -277,7 +321,7 @@ def main():
     p.add_argument("out")
     p.add_argument("--device", default="cuda")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--arms", default="h2d,load-into,ws-load-lsd,st-load-lsd,st09-prefetch,ws-load")
+    p.add_argument("--arms", default="h2d,load-into,ws-load-lsd,st-load-lsd,st09-prefetch,ws-load,vllm-plan,vllm-loader")
     return run(p.parse_args())
 
 

@@ -15,7 +15,8 @@
 #    registered buffers, force_async) over a small sweep of block size x
 #    queue depth, cold cache, the best kept (fio.json, fio-ceiling.txt);
 # 4. ROUNDS rounds (default 3) of gpu_load_into.py run on cuda:
-#    h2d, load-into, ws-load-lsd, st-load-lsd, st09-prefetch, ws-load
+#    h2d, load-into, ws-load-lsd, st-load-lsd, st09-prefetch, ws-load,
+#    vllm-plan, vllm-loader (the vLLM-shaped case: vllm_shaped.py)
 #    (device.json);
 # 5. the machine as seen (machine.txt: nvidia-smi, lscpu, the mounts, the
 #    kernel), and the log (log.txt).

@@ -163,6 +163,36 @@ def test_tensor_parallel_ranks_with_the_plan_read_only_their_slices(models, tmp_
         assert 0 < rep["read_bytes"] < 0.9 * one, (rep["read_bytes"], one)
 
 
+def test_a_model_whose_loader_the_plan_refuses_falls_back_with_the_same_bytes(tmp_path):
+    """vLLM's GPT-2 transposes the checkpoint's Conv1D weights (c_attn,
+    c_proj, c_fc: `loaded_weight.t()` in its load_weights) before its
+    loaders copy them: no box of the checkpoint tensor is what lands, so
+    the plan refuses those tensors, by reason (a view that is no box of
+    the tensor), and they go through vLLM's loaders with the real tensors; the rest (embeddings, norms, biases) is
+    planned. Every parameter's sha256 equals `auto`'s, tokens too."""
+    vllm_or_skip()
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(47)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=1024, n_positions=256, n_embd=256, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0))
+    path = tmp_path / "gpt2-bfloat16"
+    model.to(torch.bfloat16).save_pretrained(path, max_shard_size="500KB")
+    assert len(list(path.glob("*.safetensors"))) >= 3
+    ref, ours = run(digest_jobs({"gpt2-bfloat16": path}, ["gpt2-bfloat16"]), tmp_path, "refused")
+    assert_same_parameters(ref, ours, "gpt2")
+    plan = ours["ranks"][0]["report"]["plan"]
+    assert plan["used"] and plan["planned_tensors"] > 0, plan
+    reasons = plan["fallback_reasons"]
+    # `.t()` is a view whose strides are no box of the checkpoint tensor.
+    transposed = [r for r in reasons if r.startswith("a view that is not a box of the tensor")]
+    assert transposed and all(reasons[r]["names"][0].endswith((".c_attn.weight", ".c_proj.weight", ".c_fc.weight")) for r in reasons), reasons
+    # Each layer's c_attn, c_proj (attention and MLP) and c_fc weights.
+    assert sum(reasons[r]["tensors"] for r in transposed) == 2 * 4, reasons
+    assert plan["fallback_tensors"] == 2 * 4, plan
+    assert plan["planned_bytes"] + plan["fallback_bytes"] == ours["ranks"][0]["report"]["bytes"], plan
+
+
 def test_the_load_format_is_found_in_spawned_engine_and_worker_processes(models, tmp_path):
     """vLLM's default: the engine core and the worker are spawned
     processes; each finds the load format through the entry point."""
