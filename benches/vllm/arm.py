@@ -3,10 +3,12 @@
 process of its own; prints one JSON object.
 
     arm.py vllm FORMAT MODEL_DIR     vLLM builds the model with --load-format FORMAT
-    arm.py vllm-tp2 FORMAT MODE MODEL_DIR
-                                     the same with two tensor-parallel workers (spawned,
-                                     vLLM's default; MODE: weightstream's "tp" option,
-                                     "each" or "exchange", "-" for other formats)
+    arm.py vllm-tp2 FORMAT MODEL_DIR the same with two tensor-parallel workers (spawned,
+                                     vLLM's default)
+
+FORMAT: a vLLM load format, or weightstream-noplan (the weightstream
+format with {"plan": false}) or weightstream-exchange ({"tp": "exchange"});
+WS_VLLM_EXTRA (JSON) adds options to the weightstream format's.
     arm.py ws-load MODEL_DIR         weightstream.load(MODEL_DIR) alone (the reference)
     arm.py write-config MODEL_DIR    writes config.json for write_model.py's checkpoint
 
@@ -63,7 +65,38 @@ def versions():
     return out
 
 
-def vllm_arm(fmt, d):
+# Arms of the weightstream format with options other than its defaults:
+# the arm's name -> (load format, model_loader_extra_config).
+VARIANTS = {
+    "weightstream-noplan": ("weightstream", {"plan": False}),
+    "weightstream-exchange": ("weightstream", {"tp": "exchange"}),
+}
+
+
+def format_of(arm_format):
+    """(vLLM load format, its extra config) of an arm's FORMAT: a format
+    of vLLM's, or one of VARIANTS; WS_VLLM_EXTRA (JSON) adds options to
+    the weightstream format's."""
+    fmt, extra = VARIANTS.get(arm_format, (arm_format, {}))
+    if fmt == "weightstream":
+        extra = {**extra, **json.loads(os.environ.get("WS_VLLM_EXTRA") or "{}")}
+    return fmt, extra
+
+
+def logged_loads(text):
+    """Each process's logged weight phase in a vLLM log: [(seconds,
+    read_bytes or None)], read_bytes where weightstream's line says what
+    the process read from storage."""
+    import re
+
+    out = []
+    for m in re.finditer(r"Loading weights took ([0-9.]+) seconds(?:[^\n]*?([0-9.]+) GB read from storage)?", text):
+        out.append((float(m.group(1)), None if m.group(2) is None else float(m.group(2)) * 1e9))
+    return out
+
+
+def vllm_arm(arm_format, d):
+    fmt, extra = format_of(arm_format)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
@@ -102,17 +135,23 @@ def vllm_arm(fmt, d):
         max_model_len=128,
         max_num_seqs=4,
         distributed_executor_backend="uni",
-        # WS_VLLM_EXTRA: the weightstream format's options (JSON), e.g.
-        # '{"plan": false}' for the load without a plan.
-        model_loader_extra_config=json.loads(os.environ.get("WS_VLLM_EXTRA") or "{}") if fmt == "weightstream" else {},
+        model_loader_extra_config=extra,
     )
     construct = time.perf_counter() - t0
     outs = llm.generate([{"prompt_token_ids": [1, 5, 9, 33, 100]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     s = timed["seconds"]
+    report = None
+    if fmt == "weightstream":
+        from weightstream import _vllm_loader
+
+        report = _vllm_loader.LAST_REPORT
     return {
-        "arm": f"vllm-{fmt}",
+        "arm": f"vllm-{arm_format}",
         "format": fmt,
+        "options": extra,
         "bytes": n,
+        "read_bytes": None if report is None else report.get("read_bytes"),
+        "plan": None if report is None else {k: v for k, v in report.get("plan", {}).items() if k != "fallback_reasons"},
         "load_seconds": s,
         "seconds": s,
         "gbps": n / s / 1e9,
@@ -124,13 +163,15 @@ def vllm_arm(fmt, d):
     }
 
 
-def vllm_tp2_arm(fmt, mode, d):
+def vllm_tp2_arm(arm_format, d):
     """Two tensor-parallel workers, spawned as vLLM does by default: the
     load time is what each worker logs ("Loading weights took S seconds"),
-    the slowest rank's; the workers' log lines are read from this
-    process's stderr, which they inherit."""
-    import re
+    the slowest rank's, and for weightstream each worker's bytes read from
+    storage (its /proc/self/io, in the same line); the workers' log lines
+    are read from this process's stderr, which they inherit."""
     import tempfile
+
+    fmt, extra = format_of(arm_format)
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
@@ -147,7 +188,7 @@ def vllm_tp2_arm(fmt, mode, d):
         llm = LLM(
             model=d,
             load_format=fmt,
-            model_loader_extra_config={"tp": mode} if fmt == "weightstream" else {},
+            model_loader_extra_config=extra,
             dtype="bfloat16",
             skip_tokenizer_init=True,
             enforce_eager=True,
@@ -163,18 +204,20 @@ def vllm_tp2_arm(fmt, mode, d):
         os.dup2(saved[1], 2)
     text = open(log.name, errors="replace").read()
     os.unlink(log.name)
-    took = [float(x) for x in re.findall(r"Loading weights took ([0-9.]+) seconds", text)]
-    if not took:
-        raise RuntimeError("no worker logged its load time")
+    loads = logged_loads(text)
+    if len(loads) != 2:
+        raise RuntimeError(f"{len(loads)} workers logged their load time, not 2")
+    took = [t for t, _ in loads]
     s = max(took)
     return {
-        "arm": f"tp2-{fmt}" + (f"-{mode}" if fmt == "weightstream" else ""),
+        "arm": f"tp2-{arm_format}",
         "format": fmt,
-        "tp_mode": mode,
+        "options": extra,
         "bytes": n,
         "load_seconds": s,
         "seconds": s,
         "per_rank_seconds": took,
+        "per_rank_read_bytes": [b for _, b in loads],
         "gbps": n / s / 1e9,
         "cpu_seconds_per_gb": float("nan"),
         "construct_seconds": construct,
@@ -249,7 +292,7 @@ def main():
         if kind == "vllm":
             out = vllm_arm(sys.argv[2], sys.argv[3])
         elif kind == "vllm-tp2":
-            out = vllm_tp2_arm(sys.argv[2], sys.argv[3], sys.argv[4])
+            out = vllm_tp2_arm(sys.argv[2], sys.argv[3])
         elif kind == "ws-load":
             out = ws_load_arm(sys.argv[2])
         elif kind == "write-config":

@@ -6,7 +6,9 @@
 #
 #   benches/vllm/bench.sh [OUT_DIR]     (root: simdrives, drop_caches)
 #
-# Per drive kind (KINDS, default "memloop zram"):
+# Per drive kind (KINDS, default "memloop zram"; "disk" is the machine's
+# own root filesystem, DISK_DIR, where drop_caches cannot reach a cache
+# under a VM):
 #   1. one drive of the kind (simdrives up 1 --kind KIND --size 4) and the
 #      reference model written onto it: benches/peers/write_model.py (a
 #      Llama-shaped BF16 checkpoint of SIZE bytes, default 1.91e9, 5
@@ -17,11 +19,13 @@
 #   3. the load ceiling for the record: weightstream load-ceiling --json
 #      (fio's best read of the files over its sweep, the fault-in of fresh
 #      memory), as KIND-ceiling.json
-#   4. ROUNDS rounds (default 5); in each, every arm in a fresh process of
-#      its own after a cold cache (sync; drop_caches), the order rotating by
-#      one each round:
+#   4. ROUNDS rounds (default 5); in each, every arm (ARMS) in a fresh
+#      process of its own after a cold cache (sync; drop_caches), the order
+#      rotating by one each round:
 #        vllm-auto             LLM(MODEL, load_format="auto") (safetensors)
-#        vllm-weightstream     LLM(MODEL, load_format="weightstream")
+#        vllm-weightstream     LLM(MODEL, load_format="weightstream"): the plan
+#        vllm-weightstream-noplan  the same with {"plan": false}: the tensors
+#                              handed to the model's load_weights
 #        vllm-runai_streamer   LLM(MODEL, load_format="runai_streamer")
 #        vllm-fastsafetensors  LLM(MODEL, load_format="fastsafetensors")
 #        ws-load               weightstream.load(MODEL) alone
@@ -31,16 +35,19 @@
 #      4 greedy tokens must agree). An arm that fails is recorded
 #      (OUT/failures.txt, its JSON and stderr kept) and dropped from the
 #      later rounds: fastsafetensors' vLLM iterator targets a CUDA device.
-#   5. (memloop only, TP_ROUNDS rounds, default 3) two tensor-parallel
-#      workers, spawned as vLLM does by default: tp2-auto, and
-#      tp2-weightstream-each / -exchange (the loader's `tp` option: each
-#      rank reads every tensor itself, or the ranks share the reads and
-#      send each other the rest); the load is the slowest worker's logged
-#      time. Process CPU and RSS are not comparable there (the workers are
-#      other processes).
+#   5. (kinds in TP_KINDS, default memloop; TP_ROUNDS rounds, default 3)
+#      two tensor-parallel workers, spawned as vLLM does by default
+#      (TP_ARMS): tp2-auto, tp2-runai_streamer, tp2-weightstream (the plan:
+#      each rank reads its slices), tp2-weightstream-noplan (each rank
+#      reads every tensor) and tp2-weightstream-exchange (the ranks share
+#      the reads and send each other the rest); the load is the slowest
+#      worker's logged time, and weightstream's workers log the bytes each
+#      read from storage. Process CPU and RSS are not comparable there (the
+#      workers are other processes).
 # Then benches/vllm/table.py OUT: OUT/table.md, OUT/summary.json.
 #
-# Environment: KINDS, ROUNDS, SIZE, OUT_DIR as the first argument (default
+# Environment: KINDS, ROUNDS, SIZE, ARMS, TP_KINDS, TP_ROUNDS, TP_ARMS,
+# DISK_DIR, OUT_DIR as the first argument (default
 # docs/benchmarks/DATE-vllm), WS_VLLM_VENV (made by benches/vllm/venv.sh
 # when missing), ARM_TIMEOUT (seconds per arm, default 900), KEEP_PAGE_REPORTING=1.
 set -euo pipefail
@@ -53,7 +60,9 @@ rounds=${ROUNDS:-5}
 size=${SIZE:-1.91e9}
 arm_timeout=${ARM_TIMEOUT:-900}
 out=${1:-docs/benchmarks/$(date +%F)-vllm}
-read -r -a arms <<< "${ARMS:-vllm-auto vllm-weightstream vllm-runai_streamer vllm-fastsafetensors ws-load}"
+read -r -a arms <<< "${ARMS:-vllm-auto vllm-weightstream vllm-weightstream-noplan vllm-runai_streamer vllm-fastsafetensors ws-load}"
+read -r -a tp_arms <<< "${TP_ARMS:-tp2-auto tp2-weightstream tp2-weightstream-noplan tp2-weightstream-exchange tp2-runai_streamer}"
+tp_kinds=${TP_KINDS:-memloop}
 
 if [ "$(id -u)" != 0 ]; then echo "vllm bench: SKIP: needs root (simdrives, drop_caches)"; exit 0; fi
 cargo build --release --quiet -p weightstream-cli
@@ -101,8 +110,7 @@ run_arm() { # kind arm round
     case $arm in
         ws-load) cmd=("$py" benches/vllm/arm.py ws-load "$dir") ;;
         vllm-*) cmd=("$py" benches/vllm/arm.py vllm "${arm#vllm-}" "$dir") ;;
-        tp2-auto) cmd=("$py" benches/vllm/arm.py vllm-tp2 auto - "$dir") ;;
-        tp2-weightstream-*) cmd=("$py" benches/vllm/arm.py vllm-tp2 weightstream "${arm#tp2-weightstream-}" "$dir") ;;
+        tp2-*) cmd=("$py" benches/vllm/arm.py vllm-tp2 "${arm#tp2-}" "$dir") ;;
     esac
     cold
     timeout "$arm_timeout" "${cmd[@]}" > "$base.json" 2> "$base.err" || rc=$?
@@ -123,8 +131,15 @@ print("  round %s %-24s %6.3f GB/s  %6.3f s  CPU %.3f s/GB  peak RSS %.2f GB%s"
 }
 
 for kind in $kinds; do
-    mapfile -t mnts < <("$simdrives" up 1 --kind "$kind" --size 4)
-    dir=${mnts[0]}/model
+    if [ "$kind" = disk ]; then
+        # The machine's own disk (its root filesystem): no simulated drive.
+        dir=${DISK_DIR:-/var/tmp/ws-vllm-bench-disk}/model
+        rm -rf "$dir"
+        mkdir -p "$dir"
+    else
+        mapfile -t mnts < <("$simdrives" up 1 --kind "$kind" --size 4)
+        dir=${mnts[0]}/model
+    fi
     "$py" benches/peers/write_model.py "$dir" --bytes "$size" >/dev/null
     "$py" benches/vllm/arm.py write-config "$dir" >/dev/null
     sync
@@ -144,8 +159,7 @@ for kind in $kinds; do
             run_arm "$kind" "$arm" "$r"
         done
     done
-    if [ "$kind" = memloop ]; then
-        tp_arms=(tp2-auto tp2-weightstream-each tp2-weightstream-exchange)
+    if [[ " $tp_kinds " == *" $kind "* ]]; then
         for r in $(seq 1 "${TP_ROUNDS:-3}"); do
             k=$(( (r - 1) % ${#tp_arms[@]} ))
             for arm in "${tp_arms[@]:k}" "${tp_arms[@]:0:k}"; do
@@ -154,6 +168,6 @@ for kind in $kinds; do
             done
         done
     fi
-    drives_down
+    if [ "$kind" = disk ]; then rm -rf "$dir"; else drives_down; fi
 done
 python3 benches/vllm/table.py "$out"

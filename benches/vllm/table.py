@@ -16,12 +16,35 @@ import statistics
 import sys
 
 
+def ahead(arms, arm):
+    """(rounds in which ``arm``, a vLLM format, loaded faster than every
+    other vLLM format of its kind (TP=1 or TP=2), rounds it ran), or None
+    for ws-load."""
+    if arm == "ws-load":
+        return None
+    tp = arm.startswith("tp2-")
+    others = [a for a in arms if a != arm and a != "ws-load" and a.startswith("tp2-") == tp]
+    rs = arms[arm]
+    won = sum(all(rs[r]["gbps"] > arms[o][r]["gbps"] for o in others if r in arms[o]) for r in rs)
+    return won, len(rs)
+
+
+def read_per_rank(rs):
+    """Each TP rank's bytes read from storage over the model's, the
+    largest and the sum (medians over rounds), where the workers said."""
+    per = [v.get("per_rank_read_bytes") for v in rs.values()]
+    per = [[b / v["bytes"] for b in p] for p, v in zip(per, rs.values()) if p and all(b is not None for b in p)]
+    if not per:
+        return None
+    return "max %.3f, sum %.3f" % (statistics.median(max(p) for p in per), statistics.median(sum(p) for p in per))
+
+
 def main():
     out = sys.argv[1]
     meta = json.load(open(os.path.join(out, "meta.json")))
     runs = {}
     for p in glob.glob(os.path.join(out, "*.json")):
-        m = re.match(r"(memloop|zram)-(.+)-(\d+)\.json$", os.path.basename(p))
+        m = re.match(r"(memloop|zram|disk)-(.+)-(\d+)\.json$", os.path.basename(p))
         if not m:
             continue
         kind, arm, r = m.group(1), m.group(2), int(m.group(3))
@@ -41,15 +64,17 @@ def main():
             c = json.load(open(ceiling))
             lines.append(f"Load ceiling (fio's best over its sweep, and the fault-in of fresh memory): {c['gbps']:.3f} GB/s; fio {c['fio']['gbps']:.3f} GB/s.")
             lines.append("")
-        lines.append("| arm | GB/s (median) | load s | CPU s/GB | peak RSS GB | / vllm-auto | / ws-load |")
-        lines.append("|---|---|---|---|---|---|---|")
+        lines.append(
+            "| arm | GB/s (median) | load s | CPU s/GB | peak RSS GB | / vllm-auto | / ws-load | rounds ahead of every other format | bytes read per rank / model |"
+        )
+        lines.append("|---|---|---|---|---|---|---|---|---|")
         summary[kind] = {}
         for arm in sorted(arms, key=lambda a: -statistics.median(v["gbps"] for v in arms[a].values())):
             rs = arms[arm]
             med = lambda k: statistics.median(v[k] for v in rs.values())  # noqa: E731
 
             def ratio(ref):
-                if ref not in arms or ref == arm:
+                if ref not in arms or ref == arm or arm.startswith("tp2-") != ref.startswith("tp2-"):
                     return None
                 rr = [rs[r]["gbps"] / arms[ref][r]["gbps"] for r in rs if r in arms[ref]]
                 return statistics.median(rr) if rr else None
@@ -63,13 +88,16 @@ def main():
                 "peak_rss_gb": med("peak_rss_bytes") / 1e9,
                 "vs_auto": ratio("vllm-auto"),
                 "vs_ws_load": ratio("ws-load"),
+                "rounds_ahead": ahead(arms, arm),
+                "read_per_rank": read_per_rank(rs),
             }
             summary[kind][arm] = row
             f = lambda x: "" if x is None else f"{x:.3f}"  # noqa: E731
             cpu = "" if arm.startswith("tp2-") else f"{row['cpu_seconds_per_gb']:.3f}"
             lines.append(
                 f"| {arm} | {row['gbps']:.3f} | {row['load_seconds']:.3f} | {cpu} | "
-                f"{row['peak_rss_gb']:.2f} | {f(row['vs_auto'] if not arm.startswith('tp2-') else ratio('tp2-auto'))} | {f(row['vs_ws_load'])} |"
+                f"{row['peak_rss_gb']:.2f} | {f(row['vs_auto'] if not arm.startswith('tp2-') else ratio('tp2-auto'))} | {f(row['vs_ws_load'])} | "
+                f"{'' if row['rounds_ahead'] is None else '%d of %d' % row['rounds_ahead']} | {row['read_per_rank'] or ''} |"
             )
         toks = {tuple(v["tokens"]) for a, rs in arms.items() for v in rs.values() if "tokens" in v}
         lines.append("")

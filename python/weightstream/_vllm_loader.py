@@ -124,7 +124,7 @@ class WeightstreamModelLoader(BaseModelLoader):
         logger.info(
             "Loading weights took %.2f seconds (weightstream: %d tensors, %.3f GB, %.2f GB/s; %d experts of other ranks "
             "and %d unused weights not read; %d tensors from %d file(s) that are not safetensors read by vLLM's own "
-            "iterator)",
+            "iterator; %.3f GB read from storage by this process)",
             seconds,
             r["tensors"],
             r["bytes"] / 1e9,
@@ -133,6 +133,7 @@ class WeightstreamModelLoader(BaseModelLoader):
             r["skipped_unused"],
             r["vllm_tensors"],
             len(r["vllm_files"]),
+            r["read_bytes"] / 1e9,
         )
         if plan.get("used"):
             logger.info(
@@ -216,14 +217,26 @@ class WeightstreamModelLoader(BaseModelLoader):
         ``load_into``'s pipeline), then ``load_weights`` run on the real
         tensors of what fell back and of the files that are not
         safetensors. Returns the names the loaders loaded."""
-        import torch
+        sels = [self._select(s) for s in self._sources(model)]
+        readers = {}
+        try:
+            return self._fill_planned(model, sels, readers)
+        finally:
+            # Closed whatever happened (a refused plan, a failed read, a
+            # loader that raised): no Reader outlives its load.
+            for r in readers.values():
+                r.close()
+
+    def _fill_planned(self, model, sels, readers):
+        """`_load_planned`'s body: ``readers`` (empty) gets each source's
+        Reader as it is opened, for the caller to close."""
+        import torch  # noqa: F401 - the stand-ins and the fill are torch's
 
         from . import _weight_plan as wp
         from ._convert import torch_dtype, torch_shape
 
         o = self.options
-        sels = [self._select(s) for s in self._sources(model)]
-        readers, stand_ins, packed = {}, [], {}
+        stand_ins, packed = [], {}
         nbytes = {}
         for i, sel in enumerate(sels):
             if not sel["items"]:
@@ -275,6 +288,8 @@ class WeightstreamModelLoader(BaseModelLoader):
                 g["names"].append(sels[k[0]]["source"].prefix + k[1])
         info["fallback_reasons"] = reasons
         self.report["plan"] = info
+        # The planned reads are done: their Readers go before the rest is
+        # streamed (the finally above closes them again, a no-op).
         for r in readers.values():
             r.close()
         # What was not planned: through the loaders, as the load without a
