@@ -164,17 +164,22 @@ def vllm_arm(arm_format, d):
 
 
 def vllm_tp2_arm(arm_format, d):
-    """Two tensor-parallel workers, spawned as vLLM does by default: the
-    load time is what each worker logs ("Loading weights took S seconds"),
-    the slowest rank's, and for weightstream each worker's bytes read from
-    storage (its /proc/self/io, in the same line); the workers' log lines
-    are read from this process's stderr, which they inherit."""
+    """Two tensor-parallel workers, spawned as vLLM does by default. Each
+    worker times its loader's load_weights itself (tp_timer.py, imported
+    in each worker as vLLM's worker_extension_cls): the load is the
+    slowest worker's, the CPU the workers' sum, and each worker's bytes
+    read from storage (its /proc/self/io) are kept. vLLM's own log lines
+    cannot serve: its default loader logs its time once per node, and
+    runai_streamer's none. The workers' output goes to a file, not this
+    process's stdout."""
     import tempfile
 
     fmt, extra = format_of(arm_format)
-
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    # The spawned workers import tp_timer from here.
+    here = os.path.dirname(os.path.abspath(__file__))
+    os.environ["PYTHONPATH"] = here + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
     log = tempfile.NamedTemporaryFile(prefix="ws-vllm-tp2-", suffix=".log", delete=False)
     # vLLM's processes log to stdout and stderr, which they inherit.
     saved = (os.dup(1), os.dup(2))
@@ -195,8 +200,10 @@ def vllm_tp2_arm(arm_format, d):
             max_model_len=128,
             max_num_seqs=4,
             tensor_parallel_size=2,
+            worker_extension_cls="tp_timer.TimedLoads",
         )
         construct = time.perf_counter() - t0
+        phases = llm.collective_rpc("weight_phase")
         outs = llm.generate([{"prompt_token_ids": [1, 5, 9, 33, 100]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
         del llm
     finally:
@@ -204,11 +211,11 @@ def vllm_tp2_arm(arm_format, d):
         os.dup2(saved[1], 2)
     text = open(log.name, errors="replace").read()
     os.unlink(log.name)
-    loads = logged_loads(text)
-    if len(loads) != 2:
-        raise RuntimeError(f"{len(loads)} workers logged their load time, not 2")
-    took = [t for t, _ in loads]
+    if len(phases) != 2 or not all("seconds" in p for p in phases):
+        raise RuntimeError(f"the workers' timed loads: {phases}; log tail: {text[-2000:]}")
+    took = [p["seconds"] for p in phases]
     s = max(took)
+    cpu_s = sum(p["cpu_seconds"] for p in phases)
     return {
         "arm": f"tp2-{arm_format}",
         "format": fmt,
@@ -217,9 +224,11 @@ def vllm_tp2_arm(arm_format, d):
         "load_seconds": s,
         "seconds": s,
         "per_rank_seconds": took,
-        "per_rank_read_bytes": [b for _, b in loads],
+        "per_rank_read_bytes": [p["read_bytes"] for p in phases],
+        "per_rank_logged": [t for t, _ in logged_loads(text)],
         "gbps": n / s / 1e9,
-        "cpu_seconds_per_gb": float("nan"),
+        # Both workers' CPU over their loads, per GB of the model.
+        "cpu_seconds_per_gb": cpu_s / (n / 1e9),
         "construct_seconds": construct,
         "peak_rss_bytes": peak_rss(),
         "tokens": list(outs[0].outputs[0].token_ids),

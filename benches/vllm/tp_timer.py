@@ -1,0 +1,67 @@
+"""Imported in each vLLM worker process of a tensor-parallel arm
+(benches/vllm/arm.py names it as vLLM's ``worker_extension_cls``, so each
+spawned worker imports it before it loads the model): every loader's
+``load_weights`` is timed the same way, whatever the format logs, with
+the worker's CPU (user + system, getrusage) and its bytes read from
+storage (``/proc/self/io`` read_bytes) over it. ``TimedLoads.weight_phase``
+(called through ``LLM.collective_rpc``) returns them per worker."""
+
+import os
+import resource
+import time
+
+from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+PHASE = {}
+
+
+def _cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _read_bytes():
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+_load_model = BaseModelLoader.load_model
+
+
+def _timed_load_model(self, *a, **k):
+    cls = type(self)
+    if not cls.__dict__.get("_tp_timer_wrapped", False):
+        inner = cls.load_weights
+
+        def load_weights(s, model, model_config):
+            r0, c0, t0 = _read_bytes(), _cpu(), time.perf_counter()
+            out = inner(s, model, model_config)
+            r1 = _read_bytes()
+            PHASE.update(
+                seconds=time.perf_counter() - t0,
+                cpu_seconds=_cpu() - c0,
+                read_bytes=None if r0 is None or r1 is None else r1 - r0,
+                loader=cls.__name__,
+            )
+            return out
+
+        cls.load_weights = load_weights
+        cls._tp_timer_wrapped = True
+    return _load_model(self, *a, **k)
+
+
+BaseModelLoader.load_model = _timed_load_model
+
+
+class TimedLoads:
+    """Mixed into vLLM's worker class: ``weight_phase()`` is this worker's
+    timed load."""
+
+    def weight_phase(self):
+        return dict(PHASE, pid=os.getpid())
