@@ -350,6 +350,108 @@ fn a_large_read_is_cut_in_grown_chunks_unless_the_size_is_set() {
 /// ran at 0.76 of the bare read on zram, docs/benchmarks/2026-12-05-zram-load).
 /// One read of the same tensor on its own still spreads over the workers,
 /// at the drive's chunk; the bytes are the same either way.
+/// `len` page-aligned bytes, zeroed, freed on drop.
+struct Aligned(std::ptr::NonNull<u8>, std::alloc::Layout);
+
+impl Aligned {
+    fn new(len: usize) -> Self {
+        let layout = std::alloc::Layout::from_size_align(len, 4096).unwrap();
+        // SAFETY: a non-zero size with a valid layout.
+        let p = std::ptr::NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) }).expect("allocation");
+        Aligned(p, layout)
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: the allocation lives as long as `self`, borrowed mutably.
+        unsafe { std::slice::from_raw_parts_mut(self.0.as_ptr(), self.1.size()) }
+    }
+}
+
+impl Drop for Aligned {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { std::alloc::dealloc(self.0.as_ptr(), self.1) }
+    }
+}
+
+#[test]
+fn a_fill_of_many_in_place_reads_on_pread_workers_takes_bulk_chunks() {
+    // Engine::fill of a whole model into memory in phase with the files
+    // (vLLM's load plan after its parameters moved): the in-place reads
+    // outnumber the I/O threads, so each takes chunks as large as itself
+    // (up to 16 MiB), as a whole-model load's do; the drive's 1 MiB
+    // chunks cost the pread workers a syscall per MiB (0.69 of
+    // weightstream.load on zram before).
+    if !common::uring_available() {
+        return;
+    }
+    let Some(sim) = SimDrives::up(1, "zram", "0") else {
+        return;
+    };
+    let dir = sim.mounts[0].join("model");
+    let s = SynthSpec {
+        layers: 2,
+        experts: 2,
+        expert_bytes: 6 << 20,
+        shards: 2,
+        seed: 0xf111,
+        ..SynthSpec::default()
+    };
+    common::synth_model(&dir, &s);
+    sync_and_drop_caches();
+    let model = Model::open(ModelConfig::new(&dir)).unwrap();
+    let engine = Engine::new(&model, EngineConfig::default()).unwrap();
+    assert_eq!(engine.stats().drives[0].submit, Some("pread"));
+    let base = engine.chunk_bytes(0) as u64;
+    let align = engine.direct_align();
+    let tensors: Vec<weightstream::TensorRef> = model.catalog().tensors().to_vec();
+    // Each tensor in phase with its file offset, one after another.
+    let mut at = Vec::new();
+    let mut cursor = align;
+    for t in &tensors {
+        let start = cursor.div_ceil(align) * align + t.offset as usize % align;
+        at.push(start);
+        cursor = start + t.len as usize;
+    }
+    let mut mem = Aligned::new(cursor + align);
+    let mut dests = Vec::new();
+    let mut rest = mem.bytes_mut();
+    let mut consumed = 0;
+    for (t, &a) in tensors.iter().zip(&at) {
+        let (_, tail) = std::mem::take(&mut rest).split_at_mut(a - consumed);
+        let (d, tail) = tail.split_at_mut(t.len as usize);
+        dests.push(d);
+        rest = tail;
+        consumed = a + t.len as usize;
+    }
+    let before = engine.stats().drives[0].chunks;
+    let targets = tensors
+        .iter()
+        .zip(dests.iter_mut())
+        .map(|(t, d)| weightstream::FillTarget::tensor(t, d))
+        .collect();
+    let r = engine.fill(targets, &weightstream::FillOptions::default()).unwrap();
+    let chunks = engine.stats().drives[0].chunks - before;
+    for (t, d) in tensors.iter().zip(&dests) {
+        assert!(synth::verify(s.seed, &t.name, d), "wrong bytes in {}", t.name);
+    }
+    assert!(r.in_place_reads as usize >= 8, "{r:?}");
+    // Each in-place read in at most its length over 16 MiB chunks plus one
+    // for the window's tail; the staged heads and tails in one each.
+    let bound: u64 = tensors.iter().map(|t| t.len.div_ceil(16 << 20) + 1).sum::<u64>() + r.staged_reads;
+    let at_base: u64 = tensors.iter().map(|t| t.len.div_ceil(base)).sum();
+    assert!(
+        chunks <= bound && chunks < at_base,
+        "the fill took {chunks} chunks for {} tensors ({bound} at most in bulk chunks; {at_base} at the drive's chunk of {base})",
+        tensors.len()
+    );
+    drop(dests);
+    drop(mem);
+    drop(engine);
+    drop(model);
+    drop(sim);
+}
+
 #[test]
 fn a_whole_model_load_on_pread_workers_reads_in_chunks_as_large_as_each_tensor() {
     if !common::uring_available() {

@@ -562,6 +562,7 @@ impl Engine {
         };
         // Declared before the copy threads' scope: its drop (waiting out
         // every in-place read) runs after every job is done.
+        let in_place_count = units.iter().filter(|u| matches!(u, Unit::InPlace { .. })).count();
         let mut settle = Settle((0..targets.len()).map(|_| None).collect());
         let mut in_place: Vec<(usize, Ticket)> = Vec::new();
         std::thread::scope(|scope| {
@@ -579,6 +580,13 @@ impl Engine {
             // Closes the queue however the submitting loop ends (a panic
             // included), so the copy threads finish and the scope joins.
             let _close = CloseOnExit(&shared);
+            // When the in-place reads alone can keep every I/O thread busy,
+            // each takes a whole-model load's chunks (`read_bulk`: as large
+            // as the read, up to 16 MiB, on a drive read by pread workers)
+            // instead of the 1 MiB chunks that spread one read over the
+            // workers: on pread workers a chunk costs a syscall and a
+            // worker hand-off, and there are enough reads to go round.
+            let bulk = in_place_count >= self.io_threads();
             // A read straight into a target's memory (`exact`: the payload
             // lands at the slot's first byte, buffered).
             let mut into_place = |target: usize, read: TensorRef, at: usize, exact: bool| -> Result<()> {
@@ -593,7 +601,12 @@ impl Engine {
                 });
                 let spec = SlotSpec::new(read.len as usize).with_align(align);
                 match arena.take_at(at, read.len as usize, spec, exact) {
-                    Some(slot) => self.read(&read, slot).map(|ticket| in_place.push((target, ticket))),
+                    Some(slot) => if bulk && !exact {
+                        self.read_bulk(&read, slot)
+                    } else {
+                        self.read(&read, slot)
+                    }
+                    .map(|ticket| in_place.push((target, ticket))),
                     None => Err(Error::Config(format!(
                         "fill: tensor {}: bytes [{at}, {}) of its destination are taken twice (a bug)",
                         read.name,
