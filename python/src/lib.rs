@@ -91,6 +91,14 @@ fn to_py(e: ws::Error) -> PyErr {
         ws::Error::Cache(ws::CacheError::Full { .. }) => pyo3::exceptions::PyRuntimeError::new_err(msg),
         ws::Error::Cache(ws::CacheError::ReadFailed { .. }) => PyOSError::new_err(msg),
         ws::Error::Cache(ws::CacheError::Config(_)) => PyValueError::new_err(msg),
+        // An expert or a layer out of range is an index error, as a
+        // sequence's; one that exists but is not there (a dense layer, a
+        // projection the expert lacks, a model without experts) is a value
+        // error: neither is a problem of the file.
+        ws::Error::Experts(ws::ExpertsError::LayerOutOfRange { .. } | ws::ExpertsError::NoSuchExpert { .. }) => {
+            pyo3::exceptions::PyIndexError::new_err(msg)
+        }
+        ws::Error::Experts(_) => PyValueError::new_err(msg),
         _ => safetensor_error(msg),
     }
 }

@@ -164,3 +164,23 @@ def test_a_capacity_above_the_routed_experts_maps_only_them(moe):
         s = c.stats()
         assert (s["capacity"], s["capacity_asked"]) == (LAYERS * EXPERTS, 10_000)
         assert c.capacity == LAYERS * EXPERTS
+
+
+def test_a_layer_or_expert_out_of_range_is_an_index_error(moe):
+    """Out of range is IndexError (as a sequence's), naming what exists;
+    get, get_many and prefetch alike, and none is a SafetensorError."""
+    d, _ref = moe
+    with weightstream.ExpertCache(d, capacity=2, framework="np") as c:
+        with pytest.raises(IndexError, match=f"layer 0 has no expert {EXPERTS}"):
+            c.get(0, EXPERTS)
+        with pytest.raises(IndexError, match=f"layer {LAYERS} is out of range"):
+            c.get(LAYERS, 0)
+        with pytest.raises(IndexError, match="no expert 99"):
+            c.get_many(1, [0, 99])
+        with pytest.raises(IndexError, match=f"layer {LAYERS + 5} is out of range"):
+            c.prefetch([(LAYERS + 5, 0)])
+        with pytest.raises(IndexError) as e:
+            c.get(0, EXPERTS)
+        assert not isinstance(e.value, weightstream.SafetensorError)
+        # The cache is still usable after a refusal.
+        assert sorted(c.get(0, 1)) == ["down_proj", "down_proj.bias", "gate_proj", "up_proj"]
