@@ -106,11 +106,21 @@ def test_moe_models_with_experts_fused_in_memory_give_from_pretrained_logits(kin
     ref = tf.AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).eval()
     model = random_init(tf, torch, d)
     assert any(k.endswith("experts.gate_up_proj") for k in model.state_dict())
-    # Without the model's conversions the names do not meet.
-    with pytest.raises(RuntimeError, match="Missing key"):
-        wt.load_into(model, d)
-    r = wt.load_into(model, d, rename=wt.transformers_rename(model))
+    # A transformers model: its own conversions apply without rename=.
+    r = wt.load_into(model, d)
     assert r.missing_keys == [] and r.unexpected_keys == []
+    assert r.report["rename"].startswith("transformers_rename"), r.report.get("rename")
+    assert torch.equal(logits(model, torch, 500), logits(ref, torch, 500))
+    # A state dict has no conversions to read: the names do not meet, and
+    # the error names the fix in a bounded list.
+    with pytest.raises(RuntimeError, match="Missing key") as e:
+        wt.load_into(dict(model.state_dict()), d)
+    msg = str(e.value)
+    assert "Likely fix: the checkpoint stores experts one by one" in msg and "transformers_rename(model)" in msg, msg
+    assert "more (" in msg and len(msg) < 6000, len(msg)
+    model = random_init(tf, torch, d)
+    r = wt.load_into(model, d, rename=wt.transformers_rename(model))
+    assert r.missing_keys == [] and r.unexpected_keys == [] and "rename" not in r.report
     assert torch.equal(logits(model, torch, 500), logits(ref, torch, 500))
 
 
@@ -310,6 +320,12 @@ def test_every_mismatch_is_refused_before_a_byte_is_read(llama):
         assert want in msg, (want, msg)
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before), "nothing was written"
+    # The body's names without the checkpoint's "model.": the error says
+    # which prefix to pass.
+    body = {k[len("model.") :]: v for k, v in model.state_dict().items() if k.startswith("model.")}
+    with pytest.raises(RuntimeError, match=r"Likely fix: prefix='model\.'"):
+        wt.load_into(body, llama)
+    assert wt.load_into(body, llama, prefix="model.", strict=False).missing_keys == []
     # Not strict: the keys come back, and what matches is read.
     sd2 = dict(model.state_dict())
     del sd2["model.layers.1.input_layernorm.weight"]

@@ -108,14 +108,27 @@ def load_into(
     is_module = isinstance(module_or_state_dict, torch.nn.Module)
     dests = dict(module_or_state_dict.state_dict() if is_module else module_or_state_dict)
     owner = type(module_or_state_dict).__name__
+    auto_rename = None
+    if rename is None and is_module and _is_transformers_model(module_or_state_dict):
+        # A transformers model: its own checkpoint conversions (renamings,
+        # experts stored one by one and fused in memory), as from_pretrained
+        # applies them. One that is not a place in memory stays unapplied,
+        # said in the report and in an error that lists missing keys.
+        try:
+            rename = transformers_rename(module_or_state_dict)
+            auto_rename = "transformers_rename (a transformers model)"
+        except ValueError as e:
+            auto_rename = f"not applied: {e}"
     reader = _native.Reader(
         str(_model_path(path)), dirs=_paths(dirs), mirrors=_paths(mirrors), route=route, direct=direct
     )
     try:
-        plan = _plan(reader, dests, owner, strict, shard, prefix, rename, cast)
+        plan = _plan(reader, dests, owner, strict, shard, prefix, rename, cast, auto_rename)
         report = _run(reader, plan, staging_bytes, copy_threads, in_place)
     finally:
         reader.close()
+    if auto_rename is not None:
+        report["rename"] = auto_rename
     report["seconds"] = _time.perf_counter() - t0
     report["gbps"] = report["bytes"] / max(report["seconds"], 1e-9) / 1e9
     return LoadIntoResult(plan.missing, plan.unexpected, report)
@@ -133,7 +146,56 @@ class _Plan:
         self.cast = []
 
 
-def _plan(reader, dests, owner, strict, shard, prefix, rename, cast):
+def _is_transformers_model(module):
+    """Whether ``module`` is a transformers ``PreTrainedModel`` (found by
+    its classes, so that transformers is imported only when it already is)."""
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.") for c in type(module).__mro__)
+
+
+# Keys listed in an error before "... and N more".
+_KEYS_LISTED = 20
+
+
+def _keys(what, keys):
+    shown = ", ".join(f'"{k}"' for k in keys[:_KEYS_LISTED])
+    more = f", ... and {len(keys) - _KEYS_LISTED} more ({len(keys)} in all)" if len(keys) > _KEYS_LISTED else ""
+    return f"{what} key(s) in state_dict: {shown}{more}."
+
+
+def _likely_fix(missing, unexpected, rename, prefix, auto_rename):
+    """A line naming the likely fix for these missing and unexpected
+    keys, or None: a prefix the checkpoint's names carry, or experts
+    stored one by one for a model that fuses them."""
+    if not missing or not unexpected:
+        return None
+    miss = set(missing)
+    import re
+
+    # A prefix: the checkpoint's name is the module's with something in
+    # front ("model." in a checkpoint of a whole model, for its body).
+    fronts = collections.Counter()
+    for u in unexpected:
+        for i in range(len(u)):
+            if u[i] == "." and u[i + 1 :] in miss:
+                fronts[u[: i + 1]] += 1
+                break
+    if fronts and prefix is None:
+        front, n = fronts.most_common(1)[0]
+        if n * 2 >= min(len(missing), len(unexpected)):
+            return f"Likely fix: prefix={front!r} ({n} checkpoint name(s) are a module name with {front!r} in front)."
+    one_by_one = [u for u in unexpected if re.search(r"\.experts\.\d+\.", u)]
+    fused = [m for m in missing if re.search(r"\.experts\.[A-Za-z_]", m)]
+    if one_by_one and fused and rename is None:
+        why = f" (tried and {auto_rename})" if auto_rename and auto_rename.startswith("not applied") else ""
+        return (
+            "Likely fix: the checkpoint stores experts one by one and the module fuses them: "
+            f"rename=weightstream.torch.transformers_rename(model) for a transformers model{why}, or a rename "
+            "function returning (name, index) for each part."
+        )
+    return None
+
+
+def _plan(reader, dests, owner, strict, shard, prefix, rename, cast, auto_rename=None):
     """Every check, before any read: names, tied groups, fused parts,
     shapes, dtypes."""
     import torch
@@ -274,9 +336,12 @@ def _plan(reader, dests, owner, strict, shard, prefix, rename, cast):
     if strict:
         head = []
         if plan.missing:
-            head.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in plan.missing) + ".")
+            head.append(_keys("Missing", plan.missing))
         if plan.unexpected:
-            head.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in plan.unexpected) + ".")
+            head.append(_keys("Unexpected", plan.unexpected))
+        fix = _likely_fix(plan.missing, plan.unexpected, rename, prefix, auto_rename)
+        if fix:
+            head.append(fix)
         problems = head + problems
     if problems:
         raise RuntimeError(f"Error(s) in loading state_dict for {owner} (load_into; nothing was read):\n\t" + "\n\t".join(problems))
