@@ -76,3 +76,47 @@ def test_logits_equal_with_weightstreams_state_dicts(llama):
         assert all(m.get_parameter(k).data_ptr() == sd[k].data_ptr() for k, _ in m.named_parameters() if k in sd), how
         got = logits(m, torch)
         assert got.dtype == want.dtype and torch.equal(got, want), how
+
+
+def test_patch_reads_from_pretrained_through_weightstream_bit_equal(llama):
+    """weightstream.transformers.patch(): transformers' own from_pretrained
+    opens every shard through weightstream's safe_open (each binding
+    transformers made of safetensors' safe_open replaced), logits equal
+    bit for bit, and undo puts every binding back."""
+    torch = torch_or_skip()
+    tf = transformers_or_skip()
+    import safetensors
+    import transformers.modeling_utils as mu
+
+    import weightstream
+    import weightstream.transformers as wtf
+
+    d, _ = llama
+    want = logits(fresh(tf, torch, d), torch)
+    shards = sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))
+    with wtf.patch() as p:
+        assert ("transformers.modeling_utils", "safe_open") in p.bindings, p.bindings
+        assert mu.safe_open is not safetensors.safe_open
+        # Whatever module a call goes through, the file is weightstream's.
+        with mu.safe_open(str(d / shards[0]), framework="pt") as f:
+            assert isinstance(f, weightstream.safe_open)
+        p.opened.clear()
+        got = logits(fresh(tf, torch, d), torch)
+        opened = sorted(os.path.basename(f) for f in p.opened)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    assert sorted(set(opened)) == shards, opened
+    for name, attr in p.bindings:
+        import sys
+
+        assert getattr(sys.modules[name], attr) is safetensors.safe_open, (name, attr)
+    # A plain call, undone (twice is fine); nested patches undo innermost first.
+    outer = wtf.patch()
+    inner = wtf.patch()
+    assert mu.safe_open == inner._open
+    with pytest.raises(RuntimeError, match="innermost"):
+        outer.undo()
+    inner.undo()
+    assert mu.safe_open == outer._open
+    outer.undo()
+    outer.undo()
+    assert mu.safe_open is safetensors.safe_open
