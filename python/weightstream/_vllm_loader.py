@@ -259,7 +259,15 @@ class WeightstreamModelLoader(BaseModelLoader):
         # file offset, move to memory of their own in phase (before the
         # helper prepares their pages): the reads land in them in place.
         rehomed = wp.rehome(plan, model, readers, tr.other_writes)
-        prep = _Prepare(model if o["prepare"] else None)
+        # The planned parameters' pages first, in the order the fill reads
+        # into them (the checkpoint's), so the helper stays ahead of the
+        # reads instead of meeting them in the model's order.
+        first = []
+        for w in plan.writes:
+            if w.dest.device.type == "cpu":
+                st = w.dest.untyped_storage()
+                first.append((st.data_ptr(), st.nbytes()))
+        prep = _Prepare(model if o["prepare"] else None, first=first)
         fallback = collections.OrderedDict(packed)
         fallback.update(plan.fallback)
         info = {"used": True, "trace_seconds": tr.seconds, "trace_runs": tr.runs, "rehomed": rehomed}
@@ -499,14 +507,21 @@ class _Prepare:
     checkpoint's, which the copies follow). No byte of a parameter
     changes; a refusal (a kernel before 5.14) ends the helper, said in the
     report. Measured on the benchmark's 1.85 GB model: the load 10% faster
-    (docs/benchmarks/2026-12-03-vllm)."""
+    (docs/benchmarks/2026-12-03-vllm). ``first``: ``(address, bytes)`` of
+    storages to prepare before the rest, in that order (a plan's
+    destinations, in the order its reads land)."""
 
-    def __init__(self, model):
+    def __init__(self, model, first=()):
         import threading
 
         self._stop = threading.Event()
         self.result = {"storages": 0, "bytes": 0, "refused": None}
         seen, self._ranges = set(), []
+        if model is not None:
+            for ptr, n in first:
+                if n and ptr not in seen:
+                    seen.add(ptr)
+                    self._ranges.append((ptr, n))
         for p in model.parameters() if model is not None else ():
             try:
                 st = p.data.untyped_storage()

@@ -108,15 +108,28 @@ def storage_key(t):
     return _meta_key(t) if t.device.type == "meta" else _real_key(t)
 
 
+# func -> ((index, name) of each argument its schema writes): read once
+# per operator, not at every call of it (the trace sees thousands).
+_WRITTEN = {}
+
+
 def _written_args(func, args, kwargs):
     """The tensors ``func`` writes (its schema's mutable arguments)."""
+    where = _WRITTEN.get(func)
+    if where is None:
+        where = tuple(
+            (i, a.name) for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+        )
+        _WRITTEN[func] = where
     out = []
-    for i, a in enumerate(func._schema.arguments):
-        if a.alias_info is not None and a.alias_info.is_write:
-            v = args[i] if i < len(args) else kwargs.get(a.name)
-            for t in tree_flatten(v)[0]:
-                if isinstance(t, torch.Tensor):
-                    out.append(t)
+    for i, name in where:
+        v = args[i] if i < len(args) else kwargs.get(name)
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+            continue
+        for t in tree_flatten(v)[0]:
+            if isinstance(t, torch.Tensor):
+                out.append(t)
     return out
 
 
