@@ -379,9 +379,8 @@ fn a_fill_of_many_in_place_reads_on_pread_workers_takes_bulk_chunks() {
     // Engine::fill of a whole model into memory in phase with the files
     // (vLLM's load plan after its parameters moved): the in-place reads
     // outnumber the I/O threads, so each takes chunks as large as itself
-    // (up to 16 MiB), as a whole-model load's do; the drive's 1 MiB
-    // chunks cost the pread workers a syscall per MiB (0.69 of
-    // weightstream.load on zram before).
+    // (up to 16 MiB), as a whole-model load's do, not the drive's 1 MiB
+    // chunks (a syscall and a worker hand-off per MiB).
     if !common::uring_available() {
         return;
     }
