@@ -98,14 +98,14 @@ def patch():
     original = safetensors.safe_open
     p = Patch()
     with _lock:
-        # What a patch in force put there counts as the original too.
-        theirs = {id(original)} | {id(q._open) for q in _active}
+        # What a patch in force put there (a Patch's bound _open) counts
+        # as the original too: nested patches stack.
         for name, module in list(sys.modules.items()):
             if module is None or not (name == "transformers" or name.startswith("transformers.")):
                 continue
             for attr in ("safe_open",):
                 got = getattr(module, attr, None)
-                if got is not None and (id(got) in theirs or got is original or _is_bound_open(got)):
+                if got is not None and (got is original or _is_bound_open(got)):
                     p._saved.append((module, attr, got))
                     setattr(module, attr, p._open)
                     p.bindings.append((name, attr))
