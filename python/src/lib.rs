@@ -1411,13 +1411,16 @@ impl Stream {
 /// Makes the pages of `nbytes` at `address` (memory a tensor the caller
 /// holds owns, about to be written: a model's parameters before their
 /// weights are copied in) ready for writes: `MADV_HUGEPAGE` on the 2 MiB
-/// pages inside it when `huge`, then `MADV_POPULATE_WRITE` on its whole
-/// pages, so the writer meets neither a page fault nor a clear per 4 KiB.
+/// pages inside it when `huge`, then (when `populate`) `MADV_POPULATE_WRITE`
+/// on its whole pages, so the writer meets neither a page fault nor a clear
+/// per 4 KiB. `huge` alone is cheap (no page is touched) and makes each
+/// later fault, an O_DIRECT read's included, take a whole 2 MiB page.
 /// Neither advice changes a byte of a page already there. Returns None, or
 /// why the kernel refused (populating needs Linux 5.14), with the GIL
 /// released.
 #[pyfunction]
-fn _prepare_for_writes(py: Python<'_>, address: usize, nbytes: usize, huge: bool) -> Option<String> {
+#[pyo3(signature = (address, nbytes, huge, populate=true))]
+fn _prepare_for_writes(py: Python<'_>, address: usize, nbytes: usize, huge: bool, populate: bool) -> Option<String> {
     const PAGE: usize = 4096;
     const HUGE: usize = 2 << 20;
     let end = address.checked_add(nbytes)?;
@@ -1440,9 +1443,10 @@ fn _prepare_for_writes(py: Python<'_>, address: usize, nbytes: usize, huge: bool
         let huge_refused = (huge && hhi > hlo)
             .then(|| advise(hlo, hhi, rustix::mm::Advice::LinuxHugepage).err())
             .flatten();
-        advise(lo, hi, rustix::mm::Advice::LinuxPopulateWrite)
-            .err()
-            .or(huge_refused)
+        let populate_refused = populate
+            .then(|| advise(lo, hi, rustix::mm::Advice::LinuxPopulateWrite).err())
+            .flatten();
+        populate_refused.or(huge_refused)
     })
 }
 

@@ -259,15 +259,14 @@ class WeightstreamModelLoader(BaseModelLoader):
         # file offset, move to memory of their own in phase (before the
         # helper prepares their pages): the reads land in them in place.
         rehomed = wp.rehome(plan, model, readers, tr.other_writes)
-        # The planned parameters' pages first, in the order the fill reads
-        # into them (the checkpoint's), so the helper stays ahead of the
-        # reads instead of meeting them in the model's order.
-        first = []
+        # The planned parameters get the huge-page advice only: the fill's
+        # reads fault their pages in as they land (see _Prepare).
+        planned_storages = []
         for w in plan.writes:
             if w.dest.device.type == "cpu":
                 st = w.dest.untyped_storage()
-                first.append((st.data_ptr(), st.nbytes()))
-        prep = _Prepare(model if o["prepare"] else None, first=first)
+                planned_storages.append((st.data_ptr(), st.nbytes()))
+        prep = _Prepare(model if o["prepare"] else None, advise_only=planned_storages)
         fallback = collections.OrderedDict(packed)
         fallback.update(plan.fallback)
         info = {"used": True, "trace_seconds": tr.seconds, "trace_runs": tr.runs, "rehomed": rehomed}
@@ -500,29 +499,42 @@ def _tp_group():
 
 class _Prepare:
     """Makes the model's parameters ready to be written while the reads
-    run, on a thread of its own: vLLM allocates them empty, and its copies
-    would otherwise fault each 4 KiB page in (and clear it) on the thread
-    that copies. Each parameter's storage gets MADV_HUGEPAGE (2 MiB pages
-    inside it) and MADV_POPULATE_WRITE, in the model's order (roughly the
-    checkpoint's, which the copies follow). No byte of a parameter
-    changes; a refusal (a kernel before 5.14) ends the helper, said in the
-    report. Measured on the benchmark's 1.85 GB model: the load 10% faster
-    (docs/benchmarks/2026-12-03-vllm). ``first``: ``(address, bytes)`` of
-    storages to prepare before the rest, in that order (a plan's
-    destinations, in the order its reads land)."""
+    run: vLLM allocates them empty, and its copies would otherwise fault
+    each 4 KiB page in (and clear it) on the thread that copies.
 
-    def __init__(self, model, first=()):
+    Every parameter's storage gets MADV_HUGEPAGE at once, here (no page is
+    touched, microseconds each): whatever faults a page in first, a copy
+    or an O_DIRECT read landing in place, then takes a whole 2 MiB page.
+    Then a thread of its own populates them (MADV_POPULATE_WRITE), in the
+    model's order (roughly the checkpoint's, which the copies follow),
+    except ``advise_only``: ``(address, bytes)`` of storages a plan's reads
+    land in, which fault their own pages in as they land; populating those
+    too only takes the CPU from the reads. No byte of a parameter changes;
+    a refusal (a kernel before 5.14) ends the helper, said in the report.
+
+    Measured on the benchmark's 1.85 GB model: the load without a plan 10%
+    faster (docs/benchmarks/2026-12-03-vllm). With the plan (cold, 3
+    runs each, benches/vllm/arm.py): the fill 0.46-0.50 s with the helper
+    alone, 0.38-0.40 s with the advice first, 0.34 s with the advice and
+    no populating of the planned storages on zram; 0.40-0.43 s and
+    0.38-0.39 s for the last two on memloop."""
+
+    def __init__(self, model, advise_only=()):
         import threading
 
         self._stop = threading.Event()
-        self.result = {"storages": 0, "bytes": 0, "refused": None}
-        seen, self._ranges = set(), []
-        if model is not None:
-            for ptr, n in first:
-                if n and ptr not in seen:
-                    seen.add(ptr)
-                    self._ranges.append((ptr, n))
-        for p in model.parameters() if model is not None else ():
+        self.result = {"storages": 0, "bytes": 0, "advised": 0, "refused": None}
+        self._ranges = []
+        if model is None:
+            self._thread = None
+            return
+        advised = []
+        seen = set()
+        for ptr, n in advise_only:
+            if n and ptr not in seen:
+                seen.add(ptr)
+                advised.append((ptr, n))
+        for p in model.parameters():
             try:
                 st = p.data.untyped_storage()
                 ptr, n = st.data_ptr(), st.nbytes()
@@ -532,6 +544,13 @@ class _Prepare:
                 continue
             seen.add(ptr)
             self._ranges.append((ptr, n))
+        for ptr, n in advised + self._ranges:
+            why = _native._prepare_for_writes(ptr, n, True, False)
+            if why is not None:
+                self.result["refused"] = why
+                self._ranges = []
+                break
+            self.result["advised"] += 1
         self._thread = threading.Thread(target=self._run, name="ws-vllm-prepare", daemon=True)
         self._thread.start()
 
@@ -550,5 +569,6 @@ class _Prepare:
         """Stops the helper (it finishes the storage in hand) and returns
         what it prepared."""
         self._stop.set()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         return self.result
