@@ -7,7 +7,8 @@ process of its own; prints one JSON object.
                                      vLLM's default)
 
 FORMAT: a vLLM load format, or weightstream-noplan (the weightstream
-format with {"plan": false}) or weightstream-exchange ({"tp": "exchange"});
+format with {"plan": false}), weightstream-nocache ({"plan_cache": false}:
+the plan traced at every load) or weightstream-exchange ({"tp": "exchange"});
 WS_VLLM_EXTRA (JSON) adds options to the weightstream format's.
     arm.py ws-load MODEL_DIR         weightstream.load(MODEL_DIR) alone (the reference)
     arm.py write-config MODEL_DIR    writes config.json for write_model.py's checkpoint
@@ -69,6 +70,7 @@ def versions():
 # the arm's name -> (load format, model_loader_extra_config).
 VARIANTS = {
     "weightstream-noplan": ("weightstream", {"plan": False}),
+    "weightstream-nocache": ("weightstream", {"plan_cache": False}),
     "weightstream-exchange": ("weightstream", {"tp": "exchange"}),
 }
 

@@ -24,6 +24,10 @@
 #      rotating by one each round:
 #        vllm-auto             LLM(MODEL, load_format="auto") (safetensors)
 #        vllm-weightstream     LLM(MODEL, load_format="weightstream"): the plan
+#        vllm-weightstream-nocache the plan traced at every load ({"plan_cache":
+#                              false}); vllm-weightstream finds it in the plan
+#                              cache from its second run on (WEIGHTSTREAM_PLAN_CACHE,
+#                              a folder of this run's own, emptied first)
 #        vllm-weightstream-noplan  the same with {"plan": false}: the tensors
 #                              handed to the model's load_weights
 #        vllm-runai_streamer   LLM(MODEL, load_format="runai_streamer")
@@ -60,7 +64,7 @@ rounds=${ROUNDS:-5}
 size=${SIZE:-1.91e9}
 arm_timeout=${ARM_TIMEOUT:-900}
 out=${1:-docs/benchmarks/$(date +%F)-vllm}
-read -r -a arms <<< "${ARMS:-vllm-auto vllm-weightstream vllm-weightstream-noplan vllm-runai_streamer vllm-fastsafetensors ws-load}"
+read -r -a arms <<< "${ARMS:-vllm-auto vllm-weightstream vllm-weightstream-nocache vllm-weightstream-noplan vllm-runai_streamer vllm-fastsafetensors ws-load}"
 read -r -a tp_arms <<< "${TP_ARMS:-tp2-auto tp2-weightstream tp2-weightstream-noplan tp2-weightstream-exchange tp2-runai_streamer}"
 tp_kinds=${TP_KINDS:-memloop}
 
@@ -73,6 +77,8 @@ CARGO_TARGET_DIR=$root/target "$py" -m pip install --quiet --force-reinstall --n
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 export SIMDRIVES_BASE=/tmp/ws-vllm-bench SIMDRIVES_CGROUP=ws-vllm-bench
+export WEIGHTSTREAM_PLAN_CACHE=/tmp/ws-vllm-bench-plans
+rm -rf "$WEIGHTSTREAM_PLAN_CACHE"
 
 # shellcheck source=benches/machine.sh
 . benches/machine.sh

@@ -19,11 +19,13 @@ import sys
 def ahead(arms, arm):
     """(rounds in which ``arm``, a vLLM format, loaded faster than every
     other vLLM format of its kind (TP=1 or TP=2), rounds it ran), or None
-    for ws-load."""
+    for ws-load. weightstream's variants (with and without the plan or
+    its cache) are one format: each is measured against the others."""
     if arm == "ws-load":
         return None
     tp = arm.startswith("tp2-")
-    others = [a for a in arms if a != arm and a != "ws-load" and a.startswith("tp2-") == tp]
+    ours = lambda a: a.split("-", 1)[1].startswith("weightstream")  # noqa: E731
+    others = [a for a in arms if a != arm and a != "ws-load" and a.startswith("tp2-") == tp and not (ours(a) and ours(arm))]
     rs = arms[arm]
     won = sum(all(rs[r]["gbps"] > arms[o][r]["gbps"] for o in others if r in arms[o]) for r in rs)
     return won, len(rs)

@@ -11,6 +11,13 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.fixture(autouse=True)
+def _plan_cache_of_its_own(tmp_path_factory, monkeypatch):
+    """Each test keeps vLLM plans (weightstream._plan_cache) in a folder of
+    its own: no test finds a plan another test or run traced."""
+    monkeypatch.setenv("WEIGHTSTREAM_PLAN_CACHE", str(tmp_path_factory.mktemp("plans")))
+
+
 def o_direct_dir(tmp_path_factory, name):
     """A folder on a file system that reads O_DIRECT (tmpfs does not): under
     /var/tmp when the test's own tmp is on tmpfs."""

@@ -130,6 +130,54 @@ def test_the_plan_fills_every_parameter_byte_equal_to_the_default_loader(models,
         assert plan["planned_bytes"] == ours["ranks"][0]["report"]["bytes"], (n, plan)
 
 
+def test_a_plan_kept_in_the_cache_fills_the_same_bytes_and_a_changed_checkpoint_is_traced_again(models, tmp_path):
+    """The first load with the plan traces it and keeps it; the second,
+    in another engine, takes it from the plan cache (no trace) with every
+    parameter's sha256 equal to `auto`'s. A checkpoint whose header then
+    changes (a tensor's dtype) has another key: it is traced again, never
+    served the stale plan. A damaged plan file is refused and traced."""
+    import glob
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    for n in ("llama-bfloat16", "qwen3moe-float32"):
+        ref, first, second = run(digest_jobs(models, [n]) + [digest_jobs(models, [n])[1]], tmp_path, f"cache-{n}")
+        assert_same_parameters(ref, first, n)
+        assert_same_parameters(ref, second, n + " from the plan cache")
+        p1, p2 = first["ranks"][0]["report"]["plan"], second["ranks"][0]["report"]["plan"]
+        assert p1["cache"]["state"] == "kept" and p2["cache"]["state"] == "hit", (p1["cache"], p2["cache"])
+        assert p1["cache"]["file"] == p2["cache"]["file"]
+        assert p2["planned_tensors"] == p1["planned_tensors"] > 0 and p2["fallback_tensors"] == 0
+    # Another checkpoint: one norm's header says float32 where it said bf16.
+    src = models["llama-bfloat16"]
+    changed = tmp_path / "llama-changed"
+    shutil.copytree(src, changed)
+    shard = sorted(glob.glob(str(changed / "*.safetensors")))[-1]
+    tensors = load_file(shard)
+    name = next(k for k in tensors if k.endswith("norm.weight"))
+    tensors[name] = tensors[name].to(torch.float32)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    jobs = digest_jobs({"c-bfloat16": changed}, ["c-bfloat16"]) * 2
+    ref, first, _ref2, second = run(jobs, tmp_path, "cache-changed")
+    assert_same_parameters(ref, first, "changed")
+    assert_same_parameters(ref, second, "changed, again")
+    p1, p2 = first["ranks"][0]["report"]["plan"], second["ranks"][0]["report"]["plan"]
+    assert p1["cache"]["state"] == "kept", p1["cache"]
+    assert p2["cache"]["state"] == "hit" and p2["cache"]["file"] == p1["cache"]["file"]
+    kept = {c["file"] for c in (p1["cache"],)}
+    # The float32 norm is cast by the loader: it falls back, as traced.
+    assert any(r.startswith("a cast") for r in p1["fallback_reasons"]) and p2["fallback_reasons"] == p1["fallback_reasons"]
+    # A damaged file: refused (said), traced again, the same bytes.
+    path = kept.pop()
+    text = open(path).read()
+    open(path, "w").write(text.replace('"writes": [[', '"writes": [[1, ', 1) if '"writes": [[' in text else text[:-10])
+    ref, third = run(digest_jobs({"c-bfloat16": changed}, ["c-bfloat16"]), tmp_path, "cache-damaged")
+    assert_same_parameters(ref, third, "damaged plan file")
+    p3 = third["ranks"][0]["report"]["plan"]
+    assert p3["cache"]["state"] == "refused" and "checksum" in p3["cache"]["why"], p3["cache"]
+
+
 def test_the_plan_through_the_device_path_gives_the_same_bytes(models, tmp_path, monkeypatch):
     """WEIGHTSTREAM_FORCE_DEVICE_PATH=1: the CPU parameters are filled as
     CUDA ones are (load_into's pipeline: staging buffers, a copier, events),
@@ -150,9 +198,15 @@ def test_tensor_parallel_ranks_with_the_plan_read_only_their_slices(models, tmp_
     the share on a model of a real size)."""
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1" if (os.cpu_count() or 1) >= 2 else "0|0")
     m = "llama-bfloat16"
-    jobs = digest_jobs(models, [m], tp=2) + [digest_jobs(models, [m])[1]]
-    ref, ours, whole = run(jobs, tmp_path, "tp2plan")
+    jobs = digest_jobs(models, [m], tp=2) + [digest_jobs(models, [m])[1], digest_jobs(models, [m], tp=2)[1]]
+    ref, ours, whole, again = run(jobs, tmp_path, "tp2plan")
     assert_same_parameters(ref, ours, "tp2")
+    # The second TP=2 load finds each rank's own plan in the cache (the
+    # key holds the rank: rank 1 given rank 0's slices would differ here).
+    assert_same_parameters(ref, again, "tp2 from the plan cache")
+    assert [r["report"]["plan"]["cache"]["state"] for r in ours["ranks"]] == ["kept", "kept"], ours["ranks"][0]["report"]["plan"]
+    assert [r["report"]["plan"]["cache"]["state"] for r in again["ranks"]] == ["hit", "hit"]
+    assert len({r["report"]["plan"]["cache"]["file"] for r in again["ranks"]}) == 2
     assert "error" not in whole, whole.get("error", "")[-3000:]
     one = whole["ranks"][0]["report"]["read_bytes"]
     # Direct reads are counted; a folder on tmpfs would count none.
@@ -306,8 +360,10 @@ def test_a_models_pt_heads_are_read_not_skipped(tmp_path):
 def test_options_are_checked_before_anything_is_read():
     assert wv.parse_options(None)["window"] == wv.DEFAULT_WINDOW
     o = wv.parse_options({"dirs": "/a; /b,", "mirrors": ["/m"], "route": "stripe", "direct": "on", "window": 3, "tp": "exchange"})
-    assert o == {"dirs": ["/a", "/b"], "mirrors": ["/m"], "route": "stripe", "direct": "on", "window": 3, "tp": "exchange", "prepare": True, "plan": True}
+    assert o == {"dirs": ["/a", "/b"], "mirrors": ["/m"], "route": "stripe", "direct": "on", "window": 3, "tp": "exchange", "prepare": True, "plan": True, "plan_cache": None}
     assert wv.parse_options({"plan": False})["plan"] is False
+    assert wv.parse_options({"plan_cache": False})["plan_cache"] is False
+    assert wv.parse_options({"plan_cache": " /p "})["plan_cache"] == "/p"
     assert wv.parse_options({"prepare": False})["prepare"] is False
     assert wv.parse_options({})["tp"] == wv.DEFAULT_TP
     for bad, what in [
@@ -319,6 +375,9 @@ def test_options_are_checked_before_anything_is_read():
         ({"tp": "slices"}, "tp must be one of"),
         ({"prepare": "yes"}, "prepare"),
         ({"plan": 1}, "plan"),
+        ({"plan_cache": 3}, "plan_cache must be a folder or false"),
+        ({"plan_cache": True}, "plan_cache must be a folder or false"),
+        ({"plan_cache": ""}, "plan_cache must be a folder or false"),
         ("x", "must be a dict"),
     ]:
         with pytest.raises(ValueError, match=what):

@@ -274,3 +274,161 @@ def test_a_changed_checkpoint_never_meets_a_stale_plan(tmp_path):
     st.save_file(tensors, str(f))
     _tr, second = plan_for(model, native.Reader(str(f)), list(tensors))
     assert (0, "q") in second.fallback and (0, "q") not in second.planned, second.fallback
+
+
+def stand_ins_of(reader, names):
+    from weightstream._convert import torch_dtype
+
+    out = []
+    for n in names:
+        dtype, shape, _nbytes, _off = reader.info(n)
+        out.append(wp.StandIn(n, (0, n), torch_dtype(dtype), shape))
+    return out
+
+
+def raw(t):
+    return bytes(t.detach().contiguous().view(-1).view(torch.uint8).numpy())
+
+
+def test_a_kept_plan_read_back_is_the_trace_and_fills_the_same_bytes(tmp_path):
+    """_plan_cache: a trace kept and read back into another model of the
+    same class has the same writes (keys, boxes, destinations at the same
+    places of the new model's parameters), fallbacks, unused tensors and
+    loader result; filled, with the fallback run by the loader, every
+    parameter's bytes equal the loader's own run."""
+    from weightstream import _plan_cache as pc
+
+    f = tmp_path / "toy.safetensors"
+    tensors = checkpoint(f)
+    reader = native.Reader(str(f))
+    names = [n for n in tensors if n != "emb"]  # emb's padding is a write of no tensor
+    ins = stand_ins_of(reader, names)
+    cache = tmp_path / "plans"
+    first = Toy()
+    key = pc.digest(first, ins, {"test": 1})
+    assert pc.load(str(cache), key, first, ins) == (None, None)
+    before = pc.attributes(first)
+    tr = wp.trace(first.load_weights, first, ins)
+    assert pc.store(str(cache), key, tr, first, before) is None
+    model = Toy()
+    for p in model.parameters():
+        p.data.fill_(float("nan"))
+    assert pc.digest(model, ins, {"test": 1}) == key
+    got, why = pc.load(str(cache), key, model, ins)
+    assert why is None and got is not None
+    offsets = lambda m, t: (t.untyped_storage().data_ptr() - next(  # noqa: E731
+        p for p in m.parameters() if p.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    ).data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+    assert [(w.key, list(w.box), offsets(first, w.dest)) for w in tr.writes] == [
+        (w.key, list(w.box), offsets(model, w.dest)) for w in got.writes
+    ]
+    assert got.fallback == tr.fallback and got.unused == tr.unused and got.loaded == tr.loaded and got.runs == tr.runs == 2
+    assert [(ks, offsets(first, v)) for _sk, v, ks in tr.other_writes] == [(ks, offsets(model, v)) for _sk, v, ks in got.other_writes]
+    plan = wp.check(got, model, ins)
+    assert plan.planned == wp.check(tr, first, ins).planned and plan.planned
+    wp.fill(plan, {0: reader})
+    model.load_weights((n, tensors[n]) for n in names if (0, n) in plan.fallback)
+    ref = Toy()
+    for p in ref.parameters():
+        p.data.fill_(float("nan"))
+    ref.load_weights((n, tensors[n]) for n in names)
+    for (n, a), (_, b) in zip(model.named_parameters(), ref.named_parameters()):
+        assert raw(a) == raw(b), n
+
+
+def test_the_plan_cache_keeps_only_what_a_replay_reproduces_and_keys_on_headers_and_layout(tmp_path):
+    """Not kept: a loader that zeroes padding (a write of no checkpoint
+    tensor), one that sets a module attribute. Another key: a header's
+    shape changed, a model of another layout, another context (a rank)."""
+    from weightstream import _plan_cache as pc
+
+    f = tmp_path / "toy.safetensors"
+    tensors = checkpoint(f)
+    reader = native.Reader(str(f))
+    ins = stand_ins_of(reader, list(tensors))
+    model = Toy()
+    before = pc.attributes(model)
+    tr = wp.trace(model.load_weights, model, ins)
+    why = pc.store(str(tmp_path / "c"), "k", tr, model, before)
+    assert why is not None and "no checkpoint tensor" in why, why
+
+    class Flagging(Toy):
+        def load_weights(self, weights):
+            self.seen = True
+            return super().load_weights(weights)
+
+    ins2 = [s for s in ins if s.name != "emb"]
+    m2 = Flagging()
+    before = pc.attributes(m2)
+    tr = wp.trace(m2.load_weights, m2, ins2)
+    why = pc.store(str(tmp_path / "c"), "k", tr, m2, before)
+    assert why is not None and "attribute seen" in why, why
+    assert not (tmp_path / "c" / "k.json").exists()
+
+    key = pc.digest(Toy(), ins2, {"tp": [0, 2]})
+    assert pc.digest(Toy(), ins2, {"tp": [1, 2]}) != key
+    assert pc.digest(Toy(torch.bfloat16), ins2, {"tp": [0, 2]}) != key
+    other = [wp.StandIn(s.name, s.key, s.dtype, (12, 8) if s.name == "q" else s.shape) for s in ins2]
+    assert pc.digest(Toy(), other, {"tp": [0, 2]}) != key
+
+
+def test_a_damaged_or_forged_plan_file_is_refused_before_anything_is_read(tmp_path):
+    """A kept plan is untrusted input: a changed byte fails its checksum;
+    a file rewritten with a valid checksum but a box outside its tensor, a
+    parameter the model lacks, a destination past its parameter's end or
+    a tensor the checkpoint lacks is refused, naming why; nothing of the
+    model is written."""
+    import hashlib
+    import json
+
+    from weightstream import _plan_cache as pc
+
+    f = tmp_path / "toy.safetensors"
+    tensors = checkpoint(f)
+    reader = native.Reader(str(f))
+    ins = stand_ins_of(reader, [n for n in tensors if n != "emb"])
+    model = Toy()
+    key = pc.digest(model, ins, {})
+    d = tmp_path / "plans"
+    before = pc.attributes(model)
+    assert pc.store(str(d), key, wp.trace(model.load_weights, model, ins), model, before) is None
+    path = d / f"{key}.json"
+    good = json.loads(path.read_text())
+
+    def forged(edit):
+        doc = json.loads(json.dumps(good))
+        edit(doc["plan"])
+        doc["sha256"] = hashlib.sha256(json.dumps(doc["plan"], sort_keys=True).encode()).hexdigest()
+        path.write_text(json.dumps(doc))
+        target = Toy()
+        for p in target.parameters():
+            p.data.fill_(7.0)
+        got, why = pc.load(str(d), key, target, ins)
+        assert got is None and why, why
+        assert all((p == 7.0).all() for p in target.parameters())
+        return why
+
+    path.write_text(path.read_text().replace('"runs": 2', '"runs": 3'))
+    target = Toy()
+    got, why = pc.load(str(d), key, target, ins)
+    assert got is None and "checksum" in why, why
+
+    def box_out(plan):
+        plan["writes"][0][1][0][1] = 10**6
+
+    def no_param(plan):
+        plan["writes"][0][2][0] = "nothing.here"
+
+    def past_end(plan):
+        plan["writes"][0][2][2] = 10**9
+
+    def no_tensor(plan):
+        plan["writes"][0][0] = [0, "not-in-the-checkpoint"]
+
+    assert "box outside" in forged(box_out)
+    assert "does not have" in forged(no_param)
+    assert "past the end" in forged(past_end)
+    assert "checkpoint does not have" in forged(no_tensor)
+    path.write_text("{not json")
+    got, why = pc.load(str(d), key, Toy(), ins)
+    assert got is None and "unreadable" in why, why

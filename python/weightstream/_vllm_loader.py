@@ -139,7 +139,7 @@ class WeightstreamModelLoader(BaseModelLoader):
             logger.info(
                 "weightstream plan: %d tensors (%.3f GB) read straight into the parameters (%.3f GB in place, %.3f GB "
                 "staged and copied; %d parameters moved in phase with their files), %d tensors (%.3f GB) through vLLM's loaders, %d the model does not use (not "
-                "read); traced in %.3f s (%d run(s) of the loaders)",
+                "read); %s in %.3f s (%d run(s) of the loaders)%s",
                 plan["planned_tensors"],
                 plan["planned_bytes"] / 1e9,
                 plan["in_place_bytes"] / 1e9,
@@ -148,8 +148,10 @@ class WeightstreamModelLoader(BaseModelLoader):
                 plan["fallback_tensors"],
                 plan["fallback_bytes"] / 1e9,
                 plan["unused_tensors"],
+                "plan from the cache" if plan["cache"]["state"] == "hit" else "traced",
                 plan["trace_seconds"],
                 plan["trace_runs"],
+                "" if plan["cache"]["state"] in ("hit", "kept", "off") else f"; plan cache: {plan['cache']['why']}",
             )
             for reason, g in plan["fallback_reasons"].items():
                 logger.info(
@@ -253,7 +255,7 @@ class WeightstreamModelLoader(BaseModelLoader):
                     packed[(i, n)] = "a packed dtype (F4: two elements per byte)"
                     continue
                 stand_ins.append(wp.StandIn(prefix + n, (i, n), torch_dtype(dtype), torch_shape(dtype, shape, n)))
-        tr = wp.trace(model.load_weights, model, stand_ins)
+        tr, cache = self._trace(model, stand_ins)
         plan = wp.check(tr, model, stand_ins)
         # Parameters a planned tensor fills whole, out of phase with its
         # file offset, move to memory of their own in phase (before the
@@ -269,7 +271,7 @@ class WeightstreamModelLoader(BaseModelLoader):
         prep = _Prepare(model if o["prepare"] else None, advise_only=planned_storages)
         fallback = collections.OrderedDict(packed)
         fallback.update(plan.fallback)
-        info = {"used": True, "trace_seconds": tr.seconds, "trace_runs": tr.runs, "rehomed": rehomed}
+        info = {"used": True, "trace_seconds": tr.seconds, "trace_runs": tr.runs, "rehomed": rehomed, "cache": cache}
         force_pipeline = os.environ.get("WEIGHTSTREAM_FORCE_DEVICE_PATH", "") not in ("", "0")
         try:
             info.update(wp.fill(plan, readers, pipeline=force_pipeline))
@@ -319,6 +321,32 @@ class WeightstreamModelLoader(BaseModelLoader):
         elif tr.loaded is None:
             return None
         return loaded
+
+    def _trace(self, model, stand_ins):
+        """The plan's trace: from the plan cache when it holds this model's
+        (``_plan_cache``), else traced, and kept there when a replay is all
+        the loader did. Returns ``(trace, cache)``: ``cache`` is a dict
+        (``state``: "off", "hit", "kept", "not kept" or "refused";
+        ``why``; ``file``) for the report and the log."""
+        from . import _plan_cache as pc
+        from . import _weight_plan as wp
+
+        directory = self.options["plan_cache"]
+        if directory is False:
+            return wp.trace(model.load_weights, model, stand_ins), {"state": "off", "why": "plan_cache is false", "file": None}
+        directory = directory or pc.default_dir()
+        key = pc.digest(model, stand_ins, _plan_context(self._model_config))
+        path = os.path.join(directory, key + ".json")
+        tr, refused = pc.load(directory, key, model, stand_ins)
+        if tr is not None:
+            return tr, {"state": "hit", "why": None, "file": path}
+        before = pc.attributes(model)
+        tr = wp.trace(model.load_weights, model, stand_ins)
+        why = pc.store(directory, key, tr, model, before)
+        if refused is not None:
+            logger.warning("weightstream plan: a kept plan was refused and the loaders traced again: %s", refused)
+            return tr, {"state": "refused", "why": refused, "file": path}
+        return tr, {"state": "kept" if why is None else "not kept", "why": why, "file": path}
 
     def _all_weights(self, model):
         for source in self._sources(model):
@@ -461,6 +489,38 @@ class WeightstreamModelLoader(BaseModelLoader):
         for name, tensor in pt_weights_iterator(files, lc.use_tqdm_on_load, lc.pt_load_map_location):
             self.report["vllm_tensors"] += 1
             yield source.prefix + name, tensor
+
+
+def _plan_context(model_config):
+    """What a traced plan depends on beyond the model's layout and the
+    checkpoint's headers: the versions, the model's config, its dtype and
+    quantization, and this process's rank in each parallel group."""
+    import torch
+    import vllm
+
+    from . import __version__
+
+    ctx = {
+        "weightstream": __version__,
+        "vllm": getattr(vllm, "__version__", None),
+        "torch": torch.__version__,
+        "dtype": str(getattr(model_config, "dtype", None)),
+        "quantization": getattr(model_config, "quantization", None),
+    }
+    try:
+        ctx["hf_config"] = model_config.hf_config.to_json_string(use_diff=False)
+    except Exception:  # noqa: BLE001 - a config without transformers' serializer
+        ctx["hf_config"] = repr(model_config.hf_config)
+    try:
+        from vllm.distributed import parallel_state as ps
+
+        for group in ("tp", "pp", "dp", "ep"):
+            g = getattr(ps, f"_{group.upper()}", None)
+            if g is not None:
+                ctx[group] = [g.rank_in_group, g.world_size]
+    except Exception:  # noqa: BLE001 - no parallel state (a model built outside vLLM's workers)
+        pass
+    return ctx
 
 
 def _read_bytes():

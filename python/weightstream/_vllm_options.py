@@ -3,7 +3,7 @@ what ``weightstream.vllm`` documents and the loader (``_vllm_loader``)
 reads, in a module of their own so that neither imports the other."""
 
 # The options `--model-loader-extra-config` may give.
-OPTIONS = ("dirs", "mirrors", "route", "direct", "window", "tp", "prepare", "plan")
+OPTIONS = ("dirs", "mirrors", "route", "direct", "window", "tp", "prepare", "plan", "plan_cache")
 # With tensor parallelism: each rank reads every tensor it needs itself
 # ("each"), or the ranks of the group share the reads and send each other
 # the rest ("exchange", weightstream.torch.iter_distributed over the group's
@@ -33,7 +33,10 @@ def parse_options(extra):
     reads run; default true), `plan` (trace the model's own weight loaders
     on metadata stand-ins and read each tensor's bytes straight into the
     parameters it lands in; what cannot be planned goes through the
-    loaders as before; default true). An unknown key or a
+    loaders as before; default true), `plan_cache` (the folder traced
+    plans are kept in and found again, keyed by the model, its config, the
+    rank and the checkpoint's headers; false for none; default
+    $WEIGHTSTREAM_PLAN_CACHE or ~/.cache/weightstream/vllm-plans). An unknown key or a
     bad value is a ValueError naming it, before anything is read."""
     if extra is None:
         extra = {}
@@ -42,7 +45,7 @@ def parse_options(extra):
     unknown = sorted(set(extra) - set(OPTIONS))
     if unknown:
         raise ValueError(f"load format weightstream: unknown extra config keys {unknown} (it takes {list(OPTIONS)})")
-    opts = {"dirs": None, "mirrors": None, "route": None, "direct": None, "window": DEFAULT_WINDOW, "tp": DEFAULT_TP, "prepare": True, "plan": True}
+    opts = {"dirs": None, "mirrors": None, "route": None, "direct": None, "window": DEFAULT_WINDOW, "tp": DEFAULT_TP, "prepare": True, "plan": True, "plan_cache": None}
     for key in ("dirs", "mirrors"):
         if extra.get(key) is not None:
             opts[key] = _paths(extra[key], key)
@@ -67,4 +70,8 @@ def parse_options(extra):
     if not isinstance(plan, bool):
         raise ValueError(f"load format weightstream: plan must be true or false, got {plan!r}")
     opts["plan"] = plan
+    cache = extra.get("plan_cache")
+    if cache is not None and cache is not False and not (isinstance(cache, str) and cache.strip()):
+        raise ValueError(f"load format weightstream: plan_cache must be a folder or false, got {cache!r}")
+    opts["plan_cache"] = cache.strip() if isinstance(cache, str) else cache
     return opts

@@ -39,7 +39,7 @@ import time
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from ._load_into import _overlaps_itself
 
@@ -113,6 +113,22 @@ def storage_key(t):
 _WRITTEN = {}
 
 
+def _flat_tensors(x, out):
+    """Appends the tensors in ``x`` to ``out``: an operator's arguments or
+    results, which are tensors, scalars, dtypes, devices and lists or
+    tuples of them (torch's pytree does the same for any container, at
+    several times the cost: the trace calls this thousands of times)."""
+    if isinstance(x, torch.Tensor):
+        out.append(x)
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            _flat_tensors(y, out)
+    elif isinstance(x, dict):
+        for y in x.values():
+            _flat_tensors(y, out)
+    return out
+
+
 def _written_args(func, args, kwargs):
     """The tensors ``func`` writes (its schema's mutable arguments)."""
     where = _WRITTEN.get(func)
@@ -124,12 +140,7 @@ def _written_args(func, args, kwargs):
     out = []
     for i, name in where:
         v = args[i] if i < len(args) else kwargs.get(name)
-        if isinstance(v, torch.Tensor):
-            out.append(v)
-            continue
-        for t in tree_flatten(v)[0]:
-            if isinstance(t, torch.Tensor):
-                out.append(t)
+        _flat_tensors(v, out)
     return out
 
 
@@ -161,7 +172,7 @@ class _Tracer(TorchDispatchMode):
         self.dests = dest_storages
 
     def _tensors(self, args, kwargs):
-        return [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        return _flat_tensors(kwargs, _flat_tensors(args, []))
 
     def _origin(self, t):
         """(keys, reason) of what ``t`` carries from the checkpoint: its
@@ -210,12 +221,11 @@ class _Tracer(TorchDispatchMode):
         if keys:
             reason = reasons[0] if reasons else _op_reason(func)
             in_keys = {storage_key(t) for t in tensors}
-            for o in tree_flatten(out)[0]:
-                if isinstance(o, torch.Tensor):
-                    ok = storage_key(o)
-                    if ok in in_keys:
-                        continue  # a view: it keeps its input's origin
-                    self.taint[ok] = (keys, reason, o.untyped_storage())
+            for o in _flat_tensors(out, []):
+                ok = storage_key(o)
+                if ok in in_keys:
+                    continue  # a view: it keeps its input's origin
+                self.taint[ok] = (keys, reason, o.untyped_storage())
         return out
 
     def _mutation(self, func, args, kwargs, written, keys, reasons, has_meta):
