@@ -120,3 +120,120 @@ def test_patch_reads_from_pretrained_through_weightstream_bit_equal(llama):
     outer.undo()
     outer.undo()
     assert mu.safe_open is safetensors.safe_open
+
+
+def tiny_models(tf, torch, d):
+    """A dense Llama (tied embeddings), Mixtral (experts w1/w2/w3),
+    Qwen2-MoE (a shared expert and its gate), Qwen3-MoE and OLMoE
+    (q/k norms, experts gate/up/down), each saved by transformers in
+    float32 and bfloat16, in several shards: {name-dtype: folder}."""
+    common = dict(vocab_size=384, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=128)
+    makers = {
+        "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(intermediate_size=160, tie_word_embeddings=True, **common)),
+        "mixtral": lambda: tf.MixtralForCausalLM(tf.MixtralConfig(intermediate_size=96, num_local_experts=4, num_experts_per_tok=2, **common)),
+        "qwen2moe": lambda: tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(
+            intermediate_size=96, moe_intermediate_size=48, shared_expert_intermediate_size=80, num_experts=6,
+            num_experts_per_tok=2, decoder_sparse_step=1, **common)),
+        "qwen3moe": lambda: tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(
+            intermediate_size=96, moe_intermediate_size=48, head_dim=16, num_experts=6, num_experts_per_tok=2,
+            decoder_sparse_step=1, **common)),
+        "olmoe": lambda: tf.OlmoeForCausalLM(tf.OlmoeConfig(intermediate_size=48, num_experts=6, num_experts_per_tok=2, **common)),
+    }
+    out = {}
+    for name, make in makers.items():
+        torch.manual_seed(48)
+        model = make()
+        for p in model.parameters():
+            # Every weight away from transformers' init (norms of ones
+            # included): a weight left unloaded shows in the logits.
+            p.data.normal_(0, 0.2, generator=torch.Generator().manual_seed(p.numel()))
+        for dtype in ("float32", "bfloat16"):
+            path = d / f"{name}-{dtype}"
+            model.to(getattr(torch, dtype)).save_pretrained(path, max_shard_size="100KB")
+            assert len([f for f in os.listdir(path) if f.endswith(".safetensors")]) >= 3, path
+            out[f"{name}-{dtype}"] = path
+    return out
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    torch = torch_or_skip()
+    tf = transformers_or_skip()
+    return tiny_models(tf, torch, tmp_path_factory.mktemp("zoo"))
+
+
+@pytest.mark.parametrize("name", ["llama", "mixtral", "qwen2moe", "qwen3moe", "olmoe"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_from_pretrained_gives_transformers_logits_to_the_last_bit(zoo, name, dtype):
+    """weightstream.transformers.from_pretrained (built from the config,
+    weights not initialized, filled by load_into) against
+    transformers.from_pretrained on the same folder: logits bit-equal,
+    every parameter and buffer equal, the model in eval mode, and every
+    weight read by weightstream (a parameter left unread would show)."""
+    torch = torch_or_skip()
+    tf = transformers_or_skip()
+    import weightstream.transformers as wtf
+
+    d = zoo[f"{name}-{dtype}"]
+    dt = getattr(torch, dtype)
+    ref = tf.AutoModelForCausalLM.from_pretrained(d, dtype=dt).eval()
+    ours = wtf.from_pretrained(d, dtype=dt)
+    assert type(ours) is type(ref) and not ours.training
+    ids = torch.arange(3, 43).reshape(2, 20) % 384
+    with torch.no_grad():
+        a, b = ref(input_ids=ids).logits, ours(input_ids=ids).logits
+    assert a.dtype == b.dtype == dt
+    assert torch.equal(a.view(torch.uint8) if dt == torch.bfloat16 else a, b.view(torch.uint8) if dt == torch.bfloat16 else b)
+    rs, os_ = dict(ref.named_parameters()), dict(ours.named_parameters())
+    assert sorted(rs) == sorted(os_)
+    for k in rs:
+        assert torch.equal(rs[k], os_[k]), k
+    for (k, x), (_, y) in zip(ref.named_buffers(), ours.named_buffers()):
+        assert torch.equal(x, y), k
+    rep = ours.weightstream.report
+    assert rep["tensors"] > 0 and rep["bytes"] > 0 and not ours.weightstream.ignored, ours.weightstream.stats()
+    if name == "llama":
+        assert ours.lm_head.weight.data_ptr() == ours.model.embed_tokens.weight.data_ptr()
+
+
+def test_from_pretrained_converts_dtypes_as_transformers_and_refuses_what_it_cannot_fill(zoo, tmp_path):
+    """dtype None is "auto" (the config's), as in transformers 5; float32
+    converts a bfloat16 checkpoint as transformers does; a checkpoint
+    missing a weight raises naming it (never a weight left at random);
+    the budgeted experts are refused as not built."""
+    import shutil
+
+    torch = torch_or_skip()
+    tf = transformers_or_skip()
+    import weightstream.transformers as wtf
+    from safetensors.torch import load_file, save_file
+
+    d = zoo["qwen3moe-bfloat16"]
+    assert next(wtf.from_pretrained(d).parameters()).dtype == torch.bfloat16
+    assert next(tf.AutoModelForCausalLM.from_pretrained(d).parameters()).dtype == torch.bfloat16
+    ref = tf.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    ours = wtf.from_pretrained(d, dtype="float32")
+    assert next(ours.parameters()).dtype == torch.float32
+    for (k, x), (_, y) in zip(ref.state_dict().items(), ours.state_dict().items()):
+        assert torch.equal(x, y), k
+    assert ours.weightstream.report["cast"], "the conversions are listed"
+    broken = tmp_path / "broken"
+    shutil.copytree(d, broken)
+    shard = sorted(f for f in os.listdir(broken) if f.endswith(".safetensors"))[0]
+    t = load_file(str(broken / shard))
+    gone = sorted(t)[0]
+    del t[gone]
+    save_file(t, str(broken / shard), metadata={"format": "pt"})
+    idx = broken / "model.safetensors.index.json"
+    import json
+
+    j = json.loads(idx.read_text())
+    del j["weight_map"][gone]
+    idx.write_text(json.dumps(j))
+    with pytest.raises(RuntimeError, match="does not fill"):
+        wtf.from_pretrained(broken, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="not built yet"):
+        wtf.from_pretrained(d, expert_capacity=2)
+    with pytest.raises(FileNotFoundError):
+        wtf.from_pretrained(tmp_path / "nothing-here")
