@@ -8,6 +8,14 @@ process of its own; prints one JSON object.
     arm.py ws-load-lsd MODEL_DIR     weightstream.load(MODEL_DIR), then model.load_state_dict
     arm.py st-load-lsd MODEL_DIR     safetensors.torch.load_file per shard, then load_state_dict
     arm.py ws-load MODEL_DIR         weightstream.load(MODEL_DIR) alone (fresh memory; no model)
+    arm.py tf-from-pretrained MODEL_DIR   transformers' AutoModelForCausalLM.from_pretrained
+    arm.py tf-patch MODEL_DIR        the same under weightstream.transformers.patch()
+    arm.py ws-from-pretrained MODEL_DIR   weightstream.transformers.from_pretrained
+
+The three from-pretrained arms time the whole way to a ready model (built
+from the config, then loaded; bfloat16, the checkpoint's dtype), from a
+process that has imported torch and transformers: their RSS added is what
+the model and its load take over torch's baseline.
 
 Every arm but ws-load first builds the model from the checkpoint's config
 with its parameters allocated and touched (on the meta device, to_empty on
@@ -114,7 +122,11 @@ def main():
 
     n = payload_bytes(d)
     out = {"arm": what, "bytes": n}
-    model = None if what == "ws-load" else allocated_model(d)
+    pretrained = what in ("tf-from-pretrained", "tf-patch", "ws-from-pretrained")
+    if pretrained:
+        import transformers  # noqa: F401 - the baseline is torch's and transformers' imports
+        import weightstream.transformers as wtf
+    model = None if what == "ws-load" or pretrained else allocated_model(d)
     base_rss, base_peak = rss_now(), peak_rss()
     c0, t0 = cpu(), time.perf_counter()
     if what == "load-into":
@@ -136,6 +148,17 @@ def main():
         model.load_state_dict(sd, strict=True)
     elif what == "ws-load":
         sd = weightstream.load(d)
+    elif what == "tf-from-pretrained":
+        model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16)
+    elif what == "tf-patch":
+        with wtf.patch() as p:
+            model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16)
+        out["files_through_weightstream"] = len(p.opened)
+        assert p.opened, "the patch read nothing"
+    elif what == "ws-from-pretrained":
+        model = wtf.from_pretrained(d, dtype=torch.bfloat16)
+        out["report"] = {k: v for k, v in model.weightstream.report.items() if k not in ("tied", "cast", "rename")}
+        out["build_seconds"] = model.weightstream.build_seconds
     else:
         raise SystemExit(f"unknown arm {what}")
     secs, c = time.perf_counter() - t0, cpu() - c0

@@ -16,13 +16,17 @@ import os
 import statistics
 import sys
 
-ARMS = ["load-into", "ws-load-lsd", "st-load-lsd", "ws-load", "cli-load"]
+ARMS = ["load-into", "ws-load-lsd", "st-load-lsd", "ws-load", "cli-load", "ws-from-pretrained", "tf-patch", "tf-from-pretrained"]
+PRETRAINED = ("ws-from-pretrained", "tf-patch", "tf-from-pretrained")
 WHAT = {
     "load-into": "`weightstream.torch.load_into(model, dir)`",
     "ws-load-lsd": "`weightstream.load(dir)` + `model.load_state_dict`",
     "st-load-lsd": "`safetensors.torch.load_file` per shard + `model.load_state_dict`",
     "ws-load": "`weightstream.load(dir)` alone (fresh memory, no model)",
     "cli-load": "`weightstream load dir` (`Engine::load_all`, fresh memory)",
+    "ws-from-pretrained": "`weightstream.transformers.from_pretrained(dir)`: build + load, to a ready model",
+    "tf-patch": "transformers' `from_pretrained` under `weightstream.transformers.patch()`",
+    "tf-from-pretrained": "transformers' `AutoModelForCausalLM.from_pretrained(dir)`",
 }
 
 
@@ -37,7 +41,7 @@ def line(path, arm, r):
     v = json.load(open(path))
     g, s, c, added, _ = norm(v, arm)
     extra = ""
-    if arm == "load-into":
+    if arm in ("load-into", "ws-from-pretrained"):
         rep = v["report"]
         extra = "  in place %.0f%%, staging %.0f MiB, %d copy thread(s)" % (
             100 * rep["in_place_bytes"] / max(rep["bytes"], 1), rep["staging_bytes"] / 2**20, rep["copy_threads"])
@@ -83,9 +87,29 @@ def table(out):
             if both:
                 ratio = statistics.median(runs["load-into"][r][0] / runs[ref][r][0] for r in both)
                 k[f"load_into_over_{ref}"] = ratio
-        digests = {arm: {x[4] for x in rs.values()} for arm, rs in runs.items() if arm in ("load-into", "ws-load-lsd", "st-load-lsd")}
+        # Time to a ready model: weightstream's from_pretrained over
+        # transformers' own and over it under patch() (per-round ratios).
+        for ref in ("tf-from-pretrained", "tf-patch"):
+            both = [r for r in runs.get("ws-from-pretrained", {}) if r in runs.get(ref, {})]
+            if both:
+                k[f"ws_from_pretrained_over_{ref}"] = statistics.median(runs["ws-from-pretrained"][r][0] / runs[ref][r][0] for r in both)
+        wfp = runs.get("ws-from-pretrained")
+        if wfp:
+            added = statistics.median(x[3] for x in wfp.values())
+            staging = max(x[5]["report"]["staging_bytes"] for x in wfp.values())
+            k["ws_from_pretrained_added_over_model_plus_staging"] = added / (bytes_ + staging) if bytes_ else None
+            ratios_fp = ", ".join(f"{ref} {k[f'ws_from_pretrained_over_{ref}']:.2f}x" for ref in ("tf-from-pretrained", "tf-patch") if f"ws_from_pretrained_over_{ref}" in k)
+            md.append("")
+            md.append(
+                "weightstream.transformers.from_pretrained's speed to a ready model over the same rounds' (median of per-round ratios): %s; "
+                "its RSS over torch's and transformers' imports %.3f GB, %.3f of the model's %.3f GB plus %.0f MiB of staging."
+                % (ratios_fp, added / 1e9, k["ws_from_pretrained_added_over_model_plus_staging"] or 0, (bytes_ or 0) / 1e9, staging / 2**20)
+            )
+        digests = {arm: {x[4] for x in rs.values()} for arm, rs in runs.items() if arm in ("load-into", "ws-load-lsd", "st-load-lsd") + PRETRAINED}
         all_d = set().union(*digests.values()) if digests else set()
         k["same_bytes"] = len(all_d) == 1
+        if wfp:
+            md.append("Model bytes after every model-filling arm: %s." % ("identical (one digest)" if k["same_bytes"] else f"DIFFER: {digests}"))
         li = runs.get("load-into")
         if li:
             reps = [x[5]["report"] for x in li.values()]

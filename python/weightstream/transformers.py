@@ -129,15 +129,29 @@ class Loaded:
     not initialized), ``load_seconds``, ``ignored`` (checkpoint tensors the
     model does not take, as transformers ignores them)."""
 
-    def __init__(self, report, build_seconds, load_seconds, ignored):
+    def __init__(self, report, build_seconds, load_seconds, ignored, streamer=None):
         self.report = report
         self.build_seconds = build_seconds
         self.load_seconds = load_seconds
         self.ignored = ignored
+        self._streamer = streamer
+
+    @property
+    def expert_cache(self):
+        """The ExpertCache the routed experts are served from (None
+        without an expert budget)."""
+        return None if self._streamer is None else self._streamer.cache
 
     def stats(self):
-        """The load's figures as one dict."""
-        return {"build_seconds": self.build_seconds, "load_seconds": self.load_seconds, "ignored": list(self.ignored), **self.report}
+        """The load's figures as one dict; with an expert budget also
+        ``experts`` (the cache's counters) and ``steps`` (per forward of
+        the model, i.e. per generated token in decode: hits, misses,
+        prefetched, prefetch used and wasted, seconds waited, bytes read)."""
+        out = {"build_seconds": self.build_seconds, "load_seconds": self.load_seconds, "ignored": list(self.ignored), **self.report}
+        if self._streamer is not None:
+            out["experts"] = self._streamer.cache.stats()
+            out["steps"] = list(self._streamer.steps)
+        return out
 
     def __repr__(self):
         r = self.report
@@ -231,11 +245,7 @@ def from_pretrained(
         raise ImportError(f"weightstream.transformers.from_pretrained needs torch and transformers installed: {e}") from e
     from .torch import load_into
 
-    if expert_capacity is not None or expert_budget_bytes is not None:
-        raise NotImplementedError(
-            "weightstream.transformers.from_pretrained: expert_capacity / expert_budget_bytes (experts streamed "
-            "through an ExpertCache) are not built yet; load the whole model (neither argument)"
-        )
+    budgeted = expert_capacity is not None or expert_budget_bytes is not None
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"weightstream.transformers.from_pretrained: {path!r} is not a folder (a model folder with its config.json and safetensors shards)")
@@ -250,6 +260,10 @@ def from_pretrained(
     build = {"dtype": dt}
     if attn_implementation is not None:
         build["attn_implementation"] = attn_implementation
+    if budgeted:
+        # The streamed experts index the fused parameters per expert, as
+        # transformers' eager experts do (grouped_mm takes them whole).
+        build["experts_implementation"] = "eager"
     t0 = time.perf_counter()
     with no_init_weights():
         if hasattr(model_class, "_model_mapping"):  # an Auto class
@@ -259,7 +273,13 @@ def from_pretrained(
     if getattr(config, "tie_word_embeddings", False) or getattr(model, "_tied_weights_keys", None):
         model.tie_weights()
     t1 = time.perf_counter()
-    got = load_into(model, path, strict=False, cast=True, dirs=dirs, mirrors=mirrors, route=route, direct=direct, staging_bytes=staging_bytes)
+    streamer, load_rename = None, None
+    if budgeted:
+        streamer, load_rename = _stream_experts(model, path, dt, expert_capacity, expert_budget_bytes, prefetch, dirs, mirrors, route, direct)
+    got = load_into(
+        model, path, strict=False, cast=True, rename=load_rename, dirs=dirs, mirrors=mirrors, route=route, direct=direct, staging_bytes=staging_bytes
+    )
+    load_rename = None
     t2 = time.perf_counter()
 
     def matches(patterns, name):
@@ -282,5 +302,254 @@ def from_pretrained(
         import warnings
 
         warnings.warn(f"weightstream.transformers.from_pretrained: {path}: generation_config.json not applied: {e}", stacklevel=2)
-    model.weightstream = Loaded(dict(got.report), t1 - t0, t2 - t1, ignored)
+    model.weightstream = Loaded(dict(got.report), t1 - t0, t2 - t1, ignored, streamer)
+    if streamer is not None:
+        model.register_forward_pre_hook(lambda _m, _a: streamer.step_begin())
+        model.register_forward_hook(lambda _m, _a, _o: streamer.step_end())
     return model
+
+
+def _stream_experts(model, path, dtype, capacity, budget_bytes, prefetch, dirs, mirrors, route, direct):
+    """Turns ``model``'s fused experts modules into ones served from an
+    ExpertCache (see _ExpertStreamer): their parameters dropped before any
+    page of them is touched, a ``_StreamedWeight`` in each one's place, the
+    hooks set. Returns ``(streamer, rename)``: ``rename`` is load_into's
+    for the rest of the model (transformers' conversions, the streamed
+    experts' tensors skipped: not read)."""
+    from . import ExpertCache, _native
+    from ._load_into import transformers_rename
+
+    rename = transformers_rename(model)
+    mods = _expert_layout(model, rename)
+    if not mods:
+        raise ValueError(
+            f"weightstream.transformers.from_pretrained: {type(model).__name__} has no fused experts modules "
+            "(gate_up_proj and down_proj of shape [experts, ...]): expert_capacity / expert_budget_bytes apply to "
+            "transformers 5's mixture-of-experts models"
+        )
+    names = [e[0] for e in _native.catalog(path, env=True)]
+    layouts, streamed = {}, set()
+    for layer, (mname, mod) in mods.items():
+        layouts[layer] = {
+            "sources": _sources(mname, rename, names),
+            "shape": {p: tuple(mod._parameters[p].shape[1:]) for p in _STREAMED},
+            "dtype": dtype,
+            "experts": mod._parameters["gate_up_proj"].shape[0],
+        }
+        streamed |= {f"{mname}.{p}" for p in _STREAMED}
+    cache = ExpertCache(path, capacity, budget_bytes=budget_bytes, dirs=dirs, mirrors=mirrors, route=route, direct=direct)
+    order = sorted(mods)
+    routers = {}
+    for a, b in zip(order, order[1:]):
+        block = model.get_submodule(mods[b][0].rsplit(".", 1)[0])
+        router = getattr(block, "gate", None)
+        if router is not None:
+            routers[a] = (b, router)
+    streamer = _ExpertStreamer(cache, layouts, routers, prefetch)
+    for layer, (mname, mod) in mods.items():
+        for p in _STREAMED:
+            t = mod._parameters.pop(p)
+            setattr(mod, p, _StreamedWeight(streamer, layer, p, t.shape, dtype))
+            del t
+
+        def pre(_m, args, layer=layer):
+            streamer.before(layer, args[0], args[1])
+
+        def post(_m, _args, _out, layer=layer):
+            streamer.after(layer)
+
+        mod.register_forward_pre_hook(pre)
+        mod.register_forward_hook(post)
+
+    def load_rename(ck):
+        r = rename(ck)
+        n = r[0] if isinstance(r, tuple) else r
+        return None if n in streamed else r
+
+    return streamer, load_rename
+
+
+# Where an experts module's fused parameters take an expert's projections
+# from, by the checkpoint's projection names (transformers' own
+# conversions say which row range each lands in: see _expert_layout).
+_STREAMED = ("gate_up_proj", "down_proj")
+
+
+class _StreamedWeight:
+    """Stands where an experts module's fused parameter (``gate_up_proj``
+    ``[E, 2I, H]`` or ``down_proj`` ``[E, H, I]``) was: ``self[e]`` is
+    expert ``e``'s ``[2I, H]`` or ``[H, I]`` weight, from the layer's
+    entries in the ExpertCache, laid out as the parameter's row ``e`` was
+    (gate and up rows where transformers' conversions put them). So the
+    module's own forward (transformers' eager experts: ``linear(x,
+    self.gate_up_proj[e])``) runs unchanged on the same values, in the
+    same layout: the same result to the last bit."""
+
+    def __init__(self, streamer, layer, name, shape, dtype):
+        self._streamer, self._layer, self._name = streamer, layer, name
+        self.shape, self.dtype = tuple(shape), dtype
+
+    def __getitem__(self, e):
+        return self._streamer.weight(self._layer, int(e), self._name)
+
+    def __len__(self):
+        return self.shape[0]
+
+    def __repr__(self):
+        return f"<weightstream streamed {self._name} of layer {self._layer}: {list(self.shape)} {self.dtype}>"
+
+
+class _ExpertStreamer:
+    """The routed experts of a model served from an ``ExpertCache``: each
+    MoE layer's experts module gets its hit experts (``get_many``: every
+    miss read at once) before its forward and lets them go after; with
+    ``prefetch``, while a layer computes, the next layer's router is
+    applied to the current hidden state and its top-k experts are
+    prefetched (never waited for; the cache never evicts an expert a
+    layer holds). ``steps``: per forward of the model, the cache's
+    counters' change (hits, misses, prefetch used and wasted, seconds
+    waited, bytes read)."""
+
+    def __init__(self, cache, layouts, routers, prefetch):
+        self.cache = cache
+        self.layouts = layouts  # layer -> {param name: [(projection, rows slice or None)], "shape": {...}}
+        self.routers = routers  # layer -> the next MoE layer's (index, router module) or None
+        self.prefetch = prefetch
+        self.held = {}  # layer -> {expert: {projection: tensor}}
+        self.scratch = {}
+        self.steps = []
+        self._step0 = None
+        self.prefetch_calls = 0
+
+    # The experts module's hooks.
+    def before(self, layer, hidden, top_k_index):
+        experts = sorted({int(e) for e in top_k_index.reshape(-1).tolist() if 0 <= int(e) < self.layouts[layer]["experts"]})
+        if len(experts) <= self.cache.capacity:
+            got = self._get(lambda: self.cache.get_many(layer, experts))
+            self.held[layer] = dict(zip(experts, got))
+        else:
+            # More experts than the cache holds at once (a large batch):
+            # one at a time, as the module's loop takes them.
+            self.held[layer] = {}
+        nxt = self.routers.get(layer)
+        if self.prefetch and nxt is not None:
+            import torch
+
+            lnext, router = nxt
+            with torch.no_grad():
+                out = router(hidden)
+            idx = out[-1] if isinstance(out, tuple) else out
+            want = sorted({int(e) for e in idx.reshape(-1).tolist()})
+            self.cache.prefetch([(lnext, e) for e in want])
+            self.prefetch_calls += 1
+
+    def _get(self, fetch):
+        """``fetch()``; when every entry is taken by reads in flight (the
+        next layer's prefetches), once more after they land: a prefetch
+        never makes a step fail."""
+        try:
+            return fetch()
+        except RuntimeError as e:
+            if "expert cache full" not in str(e):
+                raise
+        self.cache.wait_idle()
+        return fetch()
+
+    def after(self, layer):
+        self.held.pop(layer, None)
+
+    def weight(self, layer, e, name):
+        import torch
+
+        held = self.held.setdefault(layer, {})
+        parts = held.get(e)
+        if parts is None:
+            held.clear()  # one at a time: the loop is done with the others
+            parts = held[e] = self._get(lambda: self.cache.get(layer, e))
+        lay = self.layouts[layer]
+        shape, dtype = lay["shape"][name], lay["dtype"]
+        srcs = lay["sources"][name]
+        if len(srcs) == 1 and srcs[0][1] is None:
+            t = parts[srcs[0][0]]
+            if tuple(t.shape) != shape:
+                raise ValueError(f"weightstream.transformers: layer {layer} expert {e}: {srcs[0][0]} is {list(t.shape)}, the model's {name} row takes {list(shape)}")
+            return t if t.dtype == dtype else t.to(dtype)
+        # Built from its projections in the parameter's layout, in a
+        # buffer reused for each expert (the module's loop consumes it
+        # before it asks for the next).
+        key = (name, shape, dtype)
+        buf = self.scratch.get(key)
+        if buf is None:
+            buf = self.scratch[key] = torch.empty(shape, dtype=dtype)
+        for proj, rows in srcs:
+            t = parts[proj]
+            dst = buf[rows]
+            if tuple(t.shape) != tuple(dst.shape):
+                raise ValueError(f"weightstream.transformers: layer {layer} expert {e}: {proj} is {list(t.shape)}, the model's {name} rows {rows.start}-{rows.stop} take {list(dst.shape)}")
+            dst.copy_(t)
+        return buf
+
+    # The model's hooks: one step per forward.
+    def step_begin(self):
+        self._step0 = self.cache.stats()
+
+    def step_end(self):
+        if self._step0 is None:
+            return
+        now = self.cache.stats()
+        keys = ("hits", "misses", "prefetched", "prefetch_used", "prefetch_wasted", "wait_seconds", "bytes_read", "evictions")
+        self.steps.append({k: now[k] - self._step0[k] for k in keys if k in now})
+        self._step0 = None
+
+
+def _expert_layout(model, rename):
+    """Each MoE layer's experts module (a module with 3-D ``gate_up_proj``
+    and ``down_proj`` parameters, transformers 5's fused experts):
+    ``{layer: (module name, module, {param: [(checkpoint projection, rows
+    or None)]})}``, the rows from transformers' own conversions
+    (``rename``): expert 0's checkpoint projections and where each lands."""
+    import re
+
+    out = {}
+    for mname, mod in model.named_modules():
+        params = getattr(mod, "_parameters", {})
+        if not all(isinstance(params.get(p), __import__("torch").Tensor) and params[p].dim() == 3 for p in _STREAMED):
+            continue
+        m = re.search(r"(?:^|\.)layers\.(\d+)\.", mname + ".")
+        if m is None:
+            raise ValueError(f"weightstream.transformers: experts module {mname} is not under a numbered layer (layers.N)")
+        out[int(m.group(1))] = (mname, mod)
+    return out
+
+
+def _sources(mname, rename, checkpoint_names):
+    """``{param: [(projection, rows or None)]}`` for experts module
+    ``mname``: its expert 0's checkpoint tensors (``...experts.0.<proj>.
+    weight``, or the fused ``...experts.<param>``) and where ``rename``
+    (transformers' conversions) puts each."""
+    import re
+
+    out = {p: [] for p in _STREAMED}
+    for ck in checkpoint_names:
+        r = rename(ck) if rename is not None else ck
+        name, index = (r if isinstance(r, tuple) else (r, None))
+        if name is None or not name.startswith(mname + "."):
+            continue
+        param = name[len(mname) + 1 :]
+        if param not in out:
+            continue
+        m = re.search(r"\.experts\.(\d+)\.([^.]+)\.weight$", ck)
+        if m is not None:
+            if int(m.group(1)) != 0:
+                continue
+            rows = index[1] if index is not None and len(index) > 1 else None
+            out[param].append((m.group(2), rows))
+        elif ck.endswith(".experts." + param):
+            out[param] = [(param, None)]
+    for p, srcs in out.items():
+        if not srcs:
+            raise ValueError(f"weightstream.transformers: no checkpoint tensor fills {mname}.{p} (expert 0)")
+        srcs.sort(key=lambda s: -1 if s[1] is None else s[1].start)
+        if len(srcs) == 1 and srcs[0][1] is not None:
+            raise ValueError(f"weightstream.transformers: {mname}.{p} is filled by part of its rows only ({srcs[0][0]})")
+    return out
