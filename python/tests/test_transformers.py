@@ -329,3 +329,33 @@ def test_a_truncated_expert_shard_fails_the_step_naming_the_file_and_the_next_st
     with torch.no_grad():
         a, b = ref(input_ids=ids).logits, ours(input_ids=ids).logits
     assert torch.equal(a, b)
+
+
+def test_a_checkpoint_with_fused_experts_is_streamed_by_rows(zoo, tmp_path):
+    """A checkpoint saved in transformers 5's own layout (experts.gate_up_proj
+    [E, 2I, H], experts.down_proj [E, H, I] per layer): the cache reads
+    each expert's rows of the fused tensors (no gate/up assembly), the
+    logits equal the whole model's under eager experts."""
+    import shutil
+
+    torch = torch_or_skip()
+    tf = transformers_or_skip()
+    import weightstream.transformers as wtf
+    from safetensors.torch import save_file
+
+    src = zoo["qwen3moe-bfloat16"]
+    ref = tf.AutoModelForCausalLM.from_pretrained(src, experts_implementation="eager").eval()
+    d = tmp_path / "fused"
+    d.mkdir()
+    shutil.copy(src / "config.json", d / "config.json")
+    sd = {k: v.contiguous() for k, v in ref.state_dict().items() if k != "lm_head.weight" or not ref.config.tie_word_embeddings}
+    assert any(k.endswith("experts.gate_up_proj") for k in sd)
+    save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
+    ours = wtf.from_pretrained(d, expert_capacity=3)
+    lay = ours.weightstream._streamer.layouts[0]["sources"]
+    assert lay == {"gate_up_proj": [("gate_up_proj", None)], "down_proj": [("down_proj", None)]}, lay
+    ids = torch.arange(3, 43).reshape(2, 20) % 384
+    with torch.no_grad():
+        a, b = ref(input_ids=ids).logits, ours(input_ids=ids).logits
+    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert ours.weightstream.stats()["experts"]["misses"] > 0

@@ -471,6 +471,8 @@ class _ExpertStreamer:
         srcs = lay["sources"][name]
         if len(srcs) == 1 and srcs[0][1] is None:
             t = parts[srcs[0][0]]
+            if t.dim() == len(shape) + 1 and t.shape[0] == 1:
+                t = t[0]  # the expert's rows of a fused checkpoint tensor
             if tuple(t.shape) != shape:
                 raise ValueError(f"weightstream.transformers: layer {layer} expert {e}: {srcs[0][0]} is {list(t.shape)}, the model's {name} row takes {list(shape)}")
             return t if t.dtype == dtype else t.to(dtype)
