@@ -276,6 +276,14 @@ def from_pretrained(
     streamer, load_rename = None, None
     if budgeted:
         streamer, load_rename = _stream_experts(model, path, dt, expert_capacity, expert_budget_bytes, prefetch, dirs, mirrors, route, direct)
+    else:
+        from ._load_into import transformers_rename
+
+        try:
+            load_rename = transformers_rename(model)
+        except ValueError:
+            load_rename = None  # load_into says why, in its report and errors
+    placed = _in_phase(model, path, load_rename, dirs, mirrors)
     got = load_into(
         model, path, strict=False, cast=True, rename=load_rename, dirs=dirs, mirrors=mirrors, route=route, direct=direct, staging_bytes=staging_bytes
     )
@@ -302,11 +310,81 @@ def from_pretrained(
         import warnings
 
         warnings.warn(f"weightstream.transformers.from_pretrained: {path}: generation_config.json not applied: {e}", stacklevel=2)
-    model.weightstream = Loaded(dict(got.report), t1 - t0, t2 - t1, ignored, streamer)
+    report = dict(got.report)
+    report["placed"] = placed
+    model.weightstream = Loaded(report, t1 - t0, t2 - t1, ignored, streamer)
     if streamer is not None:
         model.register_forward_pre_hook(lambda _m, _a: streamer.step_begin())
         model.register_forward_hook(lambda _m, _a, _o: streamer.step_end())
     return model
+
+
+def _in_phase(model, path, rename, dirs, mirrors):
+    """Moves each CPU parameter a checkpoint tensor fills into memory of
+    its own in phase with the file (``address % A == offset % A``, A the
+    O_DIRECT block), so that ``load_into`` reads it in place: torch's
+    allocator puts it at 64 bytes, in phase by chance once in 64, and the
+    rest goes through staging and a copy. Run before any byte of the
+    model's parameters is written (``no_init_weights``): the old storage
+    was never touched, so the move costs no memory. A parameter whose
+    parts want several phases (a fused tensor of several checkpoint
+    tensors) takes the one most of its bytes want; one of a storage it
+    shares, strided, or with a file offset that is not a multiple of its
+    element size stays. Each new storage gets MADV_HUGEPAGE (its faults
+    take 2 MiB pages). Returns ``{"parameters", "bytes", "in_phase"}``."""
+    import collections
+
+    import torch
+
+    from . import _native
+    from ._convert import torch_dtype
+
+    out = {"parameters": 0, "bytes": 0, "in_phase": 0}
+    align = _native.Reader(path, dirs=dirs, mirrors=mirrors, env=True)
+    try:
+        align_bytes = align.direct_align()
+    finally:
+        align.close()
+    if align_bytes <= 1:
+        return out
+    named = dict(model.named_parameters(remove_duplicate=False))
+    want = collections.defaultdict(collections.Counter)
+    owner = {}
+    for name, dtype, _shape, nbytes, _file, off, _drives in _native.catalog(path, dirs=dirs, mirrors=mirrors, env=True):
+        r = rename(name) if rename is not None else name
+        if r is None:
+            continue
+        target, index = r if isinstance(r, tuple) else (r, None)
+        p = named.get(target)
+        if p is None or p.device.type != "cpu" or p.dtype != torch_dtype(dtype):
+            continue
+        pos = 0
+        if index is not None:
+            sub = p.data[index]
+            if not sub.is_contiguous():
+                continue
+            pos = sub.data_ptr() - p.data_ptr()
+        want[id(p)][(off - pos) % align_bytes] += nbytes
+        owner[id(p)] = p
+    for key, phases in want.items():
+        p = owner[key]
+        phase, _ = phases.most_common(1)[0]
+        if p.data_ptr() % align_bytes == phase:
+            out["in_phase"] += 1
+            continue
+        es, n = p.element_size(), p.numel() * p.element_size()
+        st = p.untyped_storage()
+        if p.storage_offset() != 0 or not p.is_contiguous() or st.nbytes() != n or phase % es:
+            continue
+        raw = torch.empty(n + align_bytes, dtype=torch.uint8)
+        skip = (phase - raw.data_ptr()) % align_bytes
+        new = raw[skip : skip + n].view(p.dtype).view(p.shape)
+        del raw
+        _native._prepare_for_writes(new.data_ptr(), n, True, False)
+        p.data = new
+        out["parameters"] += 1
+        out["bytes"] += n
+    return out
 
 
 def _stream_experts(model, path, dtype, capacity, budget_bytes, prefetch, dirs, mirrors, route, direct):
