@@ -21,6 +21,7 @@ allocation of the model, its bytes read O_DIRECT in place.
 torch and transformers are imported only when a function here is called.
 """
 
+import collections
 import importlib
 import sys
 import threading
@@ -146,7 +147,8 @@ class Loaded:
         """The load's figures as one dict; with an expert budget also
         ``experts`` (the cache's counters) and ``steps`` (per forward of
         the model, i.e. per generated token in decode: hits, misses,
-        prefetched, prefetch used and wasted, seconds waited, bytes read)."""
+        prefetched, prefetch used and wasted, seconds waited, bytes read;
+        the last STEPS_KEPT of them)."""
         out = {"build_seconds": self.build_seconds, "load_seconds": self.load_seconds, "ignored": list(self.ignored), **self.report}
         if self._streamer is not None:
             out["experts"] = self._streamer.cache.stats()
@@ -302,6 +304,14 @@ def from_pretrained(
             "function does not (pass model_class for the checkpoint's architecture, or load it with transformers)"
         )
     ignored = [k for k in got.unexpected_keys if not matches(getattr(model, "_keys_to_ignore_on_load_unexpected", None), k)]
+    if ignored:
+        import warnings
+
+        warnings.warn(
+            f"weightstream.transformers.from_pretrained: {path}: {len(ignored)} checkpoint tensor(s) the model has no place for "
+            f"were not read ({', '.join(ignored[:5])}{', ...' if len(ignored) > 5 else ''}): model.weightstream.ignored lists them",
+            stacklevel=2,
+        )
     model.eval()
     try:
         if model.can_generate() and os.path.isfile(os.path.join(path, "generation_config.json")):
@@ -330,8 +340,10 @@ def _in_phase(model, path, rename, dirs, mirrors):
     parts want several phases (a fused tensor of several checkpoint
     tensors) takes the one most of its bytes want; one of a storage it
     shares, strided, or with a file offset that is not a multiple of its
-    element size stays. Each new storage gets MADV_HUGEPAGE (its faults
-    take 2 MiB pages). Returns ``{"parameters", "bytes", "in_phase"}``."""
+    element size stays (named in ``stayed``; load_into stages its reads,
+    counted in its report). Each new storage gets MADV_HUGEPAGE (its faults
+    take 2 MiB pages). Returns ``{"parameters", "bytes", "in_phase",
+    "stayed"}``."""
     import collections
 
     import torch
@@ -339,7 +351,7 @@ def _in_phase(model, path, rename, dirs, mirrors):
     from . import _native
     from ._convert import torch_dtype
 
-    out = {"parameters": 0, "bytes": 0, "in_phase": 0}
+    out = {"parameters": 0, "bytes": 0, "in_phase": 0, "stayed": []}
     align = _native.Reader(path, dirs=dirs, mirrors=mirrors, env=True)
     try:
         align_bytes = align.direct_align()
@@ -375,6 +387,7 @@ def _in_phase(model, path, rename, dirs, mirrors):
         es, n = p.element_size(), p.numel() * p.element_size()
         st = p.untyped_storage()
         if p.storage_offset() != 0 or not p.is_contiguous() or st.nbytes() != n or phase % es:
+            out["stayed"].append(next(k for k, v in named.items() if v is p))
             continue
         raw = torch.empty(n + align_bytes, dtype=torch.uint8)
         skip = (phase - raw.data_ptr()) % align_bytes
@@ -477,6 +490,10 @@ class _StreamedWeight:
         return f"<weightstream streamed {self._name} of layer {self._layer}: {list(self.shape)} {self.dtype}>"
 
 
+# Per-forward steps an _ExpertStreamer keeps (the latest).
+STEPS_KEPT = 4096
+
+
 class _ExpertStreamer:
     """The routed experts of a model served from an ``ExpertCache``: each
     MoE layer's experts module gets its hit experts (``get_many``: every
@@ -495,7 +512,9 @@ class _ExpertStreamer:
         self.prefetch = prefetch
         self.held = {}  # layer -> {expert: {projection: tensor}}
         self.scratch = {}
-        self.steps = []
+        # The last STEPS_KEPT forwards (a long generation must not grow it
+        # without bound); the cache's own counters hold the totals.
+        self.steps = collections.deque(maxlen=STEPS_KEPT)
         self._step0 = None
         self.prefetch_calls = 0
 
