@@ -126,7 +126,7 @@ v = json.load(open(p))
 v["cgroup_limit_bytes"], v["cgroup_max_usage_bytes"] = limit, used
 json.dump(v, open(p, "w"))
 pt = v.get("per_token")
-extra = "" if not pt else "  per token: %.1f misses, %.1f prefetch used, %.4f s waited, %.1f MB read" % (
+extra = "" if not pt else "  per step: %.1f misses, %.1f prefetch used, %.4f s waited, %.1f MB read" % (
     pt["misses"], pt["prefetch_used"], pt["wait_seconds"], pt["bytes_read"] / 1e6)
 print("  round %s %-14s f%.2f b%d %7.3f tok/s  load %.1f s  peak RSS %.2f GB  cgroup max %.2f GB%s" % (
     r, v["arm"], v["fraction"], v["batch"], v["tokens_per_second"], v["load_seconds"], v["peak_rss_bytes"] / 1e9, used / 1e9, extra))

@@ -48,7 +48,7 @@ def table(out):
         for frac in fracs:
             md.append(f"## {kind}, batch {batch}, experts budget {frac:.0%}")
             md.append("")
-            md.append("| arm | tokens/s | load s | peak RSS GB | cgroup peak GB | waited s/token | misses/token | rounds |")
+            md.append("| arm | tokens/s | load s | peak RSS GB | cgroup peak GB | waited s per step | misses per step | rounds |")
             md.append("|---|---|---|---|---|---|---|---|")
             cell = {}
             rows = [(a, arms.get((a, frac), {})) for a in ("ws-prefetch", "ws-noprefetch", "tf-offload", "mmap")] + [("full", full)]
@@ -81,7 +81,7 @@ def table(out):
             wr = [ws[r]["per_token"]["wait_seconds"] / nop[r]["per_token"]["wait_seconds"] for r in ws if r in nop and nop[r]["per_token"]["wait_seconds"] > 0]
             if wr:
                 cell["wait_prefetch_over_noprefetch"] = statistics.median(wr)
-                md.append(f"Seconds waited per token with prefetch over without: {cell['wait_prefetch_over_noprefetch']:.2f}.")
+                md.append(f"Seconds waited per step (one token of each prompt) with prefetch over without: {cell['wait_prefetch_over_noprefetch']:.2f}.")
             toks = {json.dumps(v["generated"]) for _a, rs in rows for v in rs.values()}
             cell["same_tokens"] = len(toks) <= 1
             md.append(f"Tokens of every arm and round: {'all equal' if cell['same_tokens'] else 'DIFFER'}.")
