@@ -287,12 +287,15 @@ def test_prefetch_on_and_off_give_the_same_tokens_and_prefetch_is_counted(zoo):
     d = zoo["qwen3moe-bfloat16"]
     prompt = (torch.arange(5) + 7).reshape(1, 5)
     runs = {}
-    for prefetch in (True, False):
+    for prefetch in (True, False, 2):
         m = wtf.from_pretrained(d, expert_capacity=4, prefetch=prefetch)
         runs[prefetch] = (m.generate(prompt, max_new_tokens=32, do_sample=False), m.weightstream.stats())
-    assert torch.equal(runs[True][0], runs[False][0])
+    assert torch.equal(runs[True][0], runs[False][0]) and torch.equal(runs[2][0], runs[False][0])
     assert runs[True][1]["experts"]["prefetched"] > 0
+    assert runs[2][1]["experts"]["prefetched"] >= runs[True][1]["experts"]["prefetched"]
     assert runs[False][1]["experts"]["prefetched"] == 0
+    with pytest.raises(ValueError, match="prefetch"):
+        wtf.from_pretrained(d, expert_capacity=4, prefetch="yes")
 
 
 def test_a_truncated_expert_shard_fails_the_step_naming_the_file_and_the_next_step_after_the_fix_works(zoo, tmp_path):
