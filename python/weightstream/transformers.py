@@ -231,9 +231,14 @@ def from_pretrained(
     ignored, as transformers ignores them, and listed in
     ``model.weightstream.ignored``.
 
-    ``expert_capacity`` / ``expert_budget_bytes`` (routed experts streamed
-    from the drives through an ``ExpertCache``) are not built yet: either
-    raises NotImplementedError."""
+    ``expert_capacity`` / ``expert_budget_bytes``: the routed experts of
+    a transformers 5 mixture-of-experts model are not allocated; each MoE
+    layer's experts are served from an ``ExpertCache`` of that size over
+    the checkpoint, in the layout transformers computes in (its eager
+    experts forward, unchanged: the same result to the last bit).
+    ``prefetch``: how many of the next layer's router guesses per token
+    to prefetch while a layer computes (True: 1, False: none). A model
+    without fused experts modules raises ValueError."""
     import os
     import re
     import time
@@ -248,6 +253,7 @@ def from_pretrained(
     from .torch import load_into
 
     budgeted = expert_capacity is not None or expert_budget_bytes is not None
+    guesses = _prefetch_count(prefetch)  # a bad value refused before anything is built
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"weightstream.transformers.from_pretrained: {path!r} is not a folder (a model folder with its config.json and safetensors shards)")
@@ -277,7 +283,7 @@ def from_pretrained(
     t1 = time.perf_counter()
     streamer, load_rename = None, None
     if budgeted:
-        streamer, load_rename = _stream_experts(model, path, dt, expert_capacity, expert_budget_bytes, prefetch, dirs, mirrors, route, direct)
+        streamer, load_rename = _stream_experts(model, path, dt, expert_capacity, expert_budget_bytes, guesses, dirs, mirrors, route, direct)
     else:
         from ._load_into import transformers_rename
 
@@ -417,7 +423,8 @@ def _prefetch_count(prefetch):
 
 def _stream_experts(model, path, dtype, capacity, budget_bytes, prefetch, dirs, mirrors, route, direct):
     """Turns ``model``'s fused experts modules into ones served from an
-    ExpertCache (see _ExpertStreamer): their parameters dropped before any
+    ExpertCache, ``prefetch`` guesses per token prefetched (see
+    _ExpertStreamer): their parameters dropped before any
     page of them is touched, a ``_StreamedWeight`` in each one's place, the
     hooks set. Returns ``(streamer, rename)``: ``rename`` is load_into's
     for the rest of the model (transformers' conversions, the streamed
@@ -451,7 +458,7 @@ def _stream_experts(model, path, dtype, capacity, budget_bytes, prefetch, dirs, 
         router = getattr(block, "gate", None)
         if router is not None:
             routers[a] = (b, router)
-    streamer = _ExpertStreamer(cache, layouts, routers, _prefetch_count(prefetch))
+    streamer = _ExpertStreamer(cache, layouts, routers, prefetch)
     for layer, (mname, mod) in mods.items():
         for p in _STREAMED:
             t = mod._parameters.pop(p)
@@ -504,6 +511,11 @@ class _StreamedWeight:
     def __repr__(self):
         return f"<weightstream streamed {self._name} of layer {self._layer}: {list(self.shape)} {self.dtype}>"
 
+
+# How the ExpertCache's "every entry in use" error starts (the crate's
+# CacheError::Full, a RuntimeError in Python): the one error a step
+# retries, once, after the reads in flight land.
+_CACHE_FULL = "expert cache full"
 
 # Per-forward steps an _ExpertStreamer keeps (the latest).
 STEPS_KEPT = 4096
@@ -567,7 +579,7 @@ class _ExpertStreamer:
         try:
             return fetch()
         except RuntimeError as e:
-            if "expert cache full" not in str(e):
+            if _CACHE_FULL not in str(e):
                 raise
         self.cache.wait_idle()
         return fetch()
