@@ -25,6 +25,7 @@ use crate::storage::files::{Drive, ShardFile};
 mod open;
 pub(crate) mod placed;
 mod roots;
+pub(crate) use roots::{absolute, resolved};
 mod verify;
 
 pub use open::CopyReport;

@@ -1,6 +1,6 @@
 //! The directories a model is opened from, validated before anything is
-//! opened: absolute, existing, not a link, no control characters, distinct
-//! volumes and no overlap.
+//! opened: existing, not a link, no control characters, distinct volumes
+//! and no overlap; a relative path is taken against the working directory.
 
 use std::path::{Path, PathBuf};
 
@@ -36,10 +36,35 @@ pub(crate) struct Root {
 }
 
 fn refuse(given: &Path, role: RootRole, why: &str) -> Error {
-    Error::Config(format!("{} directory \"{}\": {why}", role.name(), escape(given)))
+    Error::Config(format!(
+        "{} directory \"{}\"{}: {why}",
+        role.name(),
+        escape(given),
+        resolved(given)
+    ))
 }
 
-/// Validates the primary, split and mirror directories: each absolute, an
+/// `given` taken against the working directory when it is relative (as
+/// `open(2)` takes it): a split or mirror directory, like the primary,
+/// may be typed as a relative path.
+pub(crate) fn absolute(given: &Path) -> std::result::Result<PathBuf, String> {
+    std::path::absolute(given).map_err(|e| format!("cannot be taken against the working directory: {e}"))
+}
+
+/// For a message about a relative path: " (PATH)", the absolute path it
+/// names now; nothing for an absolute one.
+pub(crate) fn resolved(given: &Path) -> String {
+    if given.is_absolute() {
+        return String::new();
+    }
+    match std::path::absolute(given) {
+        Ok(p) => format!(" ({})", escape(&p)),
+        Err(_) => String::new(),
+    }
+}
+
+/// Validates the primary, split and mirror directories: each (a relative
+/// one taken against the working directory, as the primary is) an
 /// existing directory, not a symlink, without control characters, not the
 /// primary or inside it (or containing it), not overlapping another entry,
 /// not listed twice. Mirrors on the same filesystem as another copy are
@@ -65,10 +90,8 @@ pub(crate) fn validate_roots(cfg: &ModelConfig) -> Result<Vec<Root>> {
         if text.chars().any(char::is_control) {
             return Err(refuse(given, role, "contains control characters; retype the path"));
         }
-        if !given.is_absolute() {
-            return Err(refuse(given, role, "is not an absolute path; give the full path"));
-        }
-        let meta = match std::fs::symlink_metadata(given) {
+        let at = absolute(given).map_err(|e| refuse(given, role, &e))?;
+        let meta = match std::fs::symlink_metadata(&at) {
             Ok(m) => m,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 return Err(refuse(
@@ -89,8 +112,7 @@ pub(crate) fn validate_roots(cfg: &ModelConfig) -> Result<Vec<Root>> {
         if !meta.is_dir() {
             return Err(refuse(given, role, "is not a directory"));
         }
-        let path =
-            std::fs::canonicalize(given).map_err(|e| refuse(given, role, &format!("cannot be resolved: {e}")))?;
+        let path = std::fs::canonicalize(&at).map_err(|e| refuse(given, role, &format!("cannot be resolved: {e}")))?;
         for r in &roots {
             if path == r.path {
                 let what = if r.role == RootRole::Primary {
@@ -113,7 +135,8 @@ pub(crate) fn validate_roots(cfg: &ModelConfig) -> Result<Vec<Root>> {
             }
         }
         roots.push(Root {
-            given: given.clone(),
+            // Absolute: the shards are listed and opened through it.
+            given: at,
             path,
             role,
         });

@@ -41,7 +41,11 @@ pub(crate) struct Root {
 }
 
 fn refuse(given: &Path, why: impl std::fmt::Display) -> Error {
-    Error::Config(format!("root \"{}\": {why}", escape(given)))
+    Error::Config(format!(
+        "root \"{}\"{}: {why}",
+        escape(given),
+        crate::model::resolved(given)
+    ))
 }
 
 /// `st_dev` as `MAJ:MIN`.
@@ -75,10 +79,8 @@ pub(crate) fn check_roots(
         if g.as_os_str().to_string_lossy().chars().any(char::is_control) {
             return Err(refuse(g, "contains control characters; retype the path"));
         }
-        if !g.is_absolute() {
-            return Err(refuse(g, "is not an absolute path; give the full path"));
-        }
-        let meta = match std::fs::symlink_metadata(g) {
+        let at = crate::model::absolute(g).map_err(|e| refuse(g, e))?;
+        let meta = match std::fs::symlink_metadata(&at) {
             Ok(m) => m,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 return Err(refuse(g, "does not exist: reconnect the drive, or remove this entry"))
@@ -91,7 +93,7 @@ pub(crate) fn check_roots(
         if !meta.is_dir() {
             return Err(refuse(g, "is not a directory"));
         }
-        let path = std::fs::canonicalize(g).map_err(|e| refuse(g, format!("cannot be resolved: {e}")))?;
+        let path = std::fs::canonicalize(&at).map_err(|e| refuse(g, format!("cannot be resolved: {e}")))?;
         if path == source_real || path.starts_with(source_real) || source_real.starts_with(&path) {
             return Err(refuse(
                 g,

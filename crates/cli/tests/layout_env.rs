@@ -153,7 +153,10 @@ fn model_config_from_the_environment() {
     let e = Model::open(ok(&[("WEIGHTSTREAM_MODEL", p), ("WEIGHTSTREAM_MIRROR", "relative/m")])).unwrap_err();
     assert_eq!(
         e.to_string(),
-        "mirror directory \"relative/m\": is not an absolute path; give the full path"
+        format!(
+            "mirror directory \"relative/m\" ({}): does not exist: reconnect the drive, or remove this entry",
+            std::env::current_dir().unwrap().join("relative/m").display()
+        )
     );
     let shm = common::second_drive_tempdir();
     if let Some(shm) = &shm {

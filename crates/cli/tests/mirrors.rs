@@ -654,11 +654,6 @@ fn bad_directory_entries_are_refused_naming_the_entry_as_typed() {
             s(&shm.join("missing")),
             "does not exist: reconnect the drive, or remove this entry",
         ),
-        (
-            vec!["relative/dir".into()],
-            "relative/dir".into(),
-            "is not an absolute path",
-        ),
         (vec![s(&link)], s(&link), "is a symbolic link"),
         (
             vec![format!("{}/a\nb", s(shm))],
@@ -745,13 +740,70 @@ fn bad_directory_entries_are_refused_naming_the_entry_as_typed() {
         ok_dir.display()
     );
     assert!(!out.status.success() && stderr.contains(&want), "{stderr}");
-    // The library says the same, as a configuration error.
+    // A relative entry is taken against the working directory; one that
+    // names nothing there is refused naming both paths, as a
+    // configuration error.
     let e = Model::open(ModelConfig::new(&fx.primary).mirrors(["relative/dir"])).unwrap_err();
     assert!(matches!(e, weightstream::Error::Config(_)), "{e:?}");
+    let cwd = std::env::current_dir().unwrap();
     assert_eq!(
         e.to_string(),
-        "mirror directory \"relative/dir\": is not an absolute path; give the full path"
+        format!(
+            "mirror directory \"relative/dir\" ({}): does not exist: reconnect the drive, or remove this entry",
+            cwd.join("relative/dir").display()
+        )
     );
+}
+
+#[test]
+fn relative_split_and_mirror_directories_are_taken_against_the_working_directory() {
+    let Some(fx) = Fixture::new() else { return };
+    // The shards split: the largest moves to a split directory; a mirror
+    // of every shard on the second drive. Both given relative to the
+    // working directory the command runs in, the model too.
+    let split = fx.tmp.path().join("split");
+    std::fs::create_dir(&split).unwrap();
+    std::fs::rename(fx.primary.join(&fx.shards[0]), split.join(&fx.shards[0])).unwrap();
+    let mirror = fx.shm.path().join("mirror");
+    let split_names: Vec<&str> = fx.shards.iter().map(String::as_str).collect();
+    common::copy_files(&fx.primary, &mirror, &split_names[1..]);
+    common::copy_files(&split, &mirror, &split_names[..1]);
+    // From the temporary folder: "primary", "split", and the mirror by a
+    // path with "..".
+    let rel_mirror = relative_to(fx.tmp.path(), &mirror);
+    let out = common::hermetic(std::process::Command::new(common::bin()))
+        .current_dir(fx.tmp.path())
+        .args([os("digest"), os("primary"), os("--dirs"), os("split"), os("--mirror")])
+        .arg(&rel_mirror)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert_eq!(
+        common::parse_sums(&String::from_utf8(out.stdout).unwrap()),
+        fx.sync,
+        "{stderr}"
+    );
+    // The library too (the test's own working directory: absolute
+    // primary, split and mirror given relative to it).
+    let cwd = std::env::current_dir().unwrap();
+    let rel = |p: &Path| relative_to(&cwd, p);
+    let model = Model::open(
+        ModelConfig::new(&fx.primary)
+            .dirs([rel(&split)])
+            .mirrors([rel(&mirror)]),
+    )
+    .unwrap();
+    for shard in 0..fx.shards.len() {
+        assert_eq!(model.copies(shard).len(), 2, "shard {shard}: {:?}", model.copy_report());
+    }
+}
+
+/// `p` (absolute) as a path relative to the folder `from` (absolute): up
+/// to the root with "..", then down.
+fn relative_to(from: &Path, p: &Path) -> PathBuf {
+    let up: PathBuf = (1..from.components().count()).map(|_| "..").collect();
+    up.join(p.strip_prefix("/").unwrap())
 }
 
 #[test]

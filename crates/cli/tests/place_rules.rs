@@ -72,7 +72,15 @@ fn roots_are_refused_naming_the_entry_and_the_way_out() {
         vec![bed.shm.path().join("a\nb")],
         &["a\\nb\"", "contains control characters; retype the path"],
     );
-    refused(&bed, vec![PathBuf::from("relative/root")], &["not an absolute path"]);
+    // A relative root is taken against the working directory.
+    refused(
+        &bed,
+        vec![PathBuf::from("relative/root")],
+        &[&format!(
+            "root \"relative/root\" ({}): does not exist",
+            std::env::current_dir().unwrap().join("relative/root").display()
+        )],
+    );
     let link = bed.shm.path().join("link");
     std::os::unix::fs::symlink(&shm, &link).unwrap();
     refused(
