@@ -133,11 +133,7 @@ fn layout_with(path: &str, (dirs, mirrors, route, direct): LayoutArgs<'_>, env: 
             "No such file or directory: {path}"
         )));
     }
-    let mut c = if p.is_dir() {
-        ws::ModelConfig::new(p)
-    } else {
-        ws::ModelConfig::file(p)
-    };
+    let mut c = ws::ModelConfig::path(p).map_err(to_py)?;
     if env {
         c = c.settings(|k| std::env::var(k).ok()).map_err(to_py)?;
     }

@@ -185,6 +185,37 @@ impl ModelConfig {
         }
     }
 
+    /// What a user types for a model, as Python's `load` and `safe_open`
+    /// take it: a model directory ([`ModelConfig::new`]); its
+    /// `model.safetensors.index.json` (the directory, its index read as
+    /// always); or one `.safetensors` file ([`ModelConfig::file`]). A
+    /// path that does not exist is taken as a directory (the open says it
+    /// is missing); another `*.index.json` is refused: only the
+    /// directory's `model.safetensors.index.json` is ever read.
+    pub fn path(path: impl Into<PathBuf>) -> Result<Self> {
+        let path = path.into();
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
+        let is_file = std::fs::metadata(&path).map(|m| !m.is_dir()).unwrap_or(false);
+        match name {
+            Some(n) if is_file && n == crate::format::catalog::INDEX_FILE => {
+                let dir = match path.parent() {
+                    Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+                    _ => PathBuf::from("."),
+                };
+                Ok(ModelConfig::new(dir))
+            }
+            Some(n) if is_file && n.ends_with(".index.json") => Err(Error::catalog(
+                &path,
+                format!(
+                    "an index is read only as its directory's {}: give the directory, that file, or one .safetensors file",
+                    crate::format::catalog::INDEX_FILE
+                ),
+            )),
+            _ if is_file => Ok(ModelConfig::file(path)),
+            _ => Ok(ModelConfig::new(path)),
+        }
+    }
+
     /// Opens only the shards of these file names ([`ModelConfig::only`]).
     pub fn only<I, S>(mut self, names: I) -> Self
     where

@@ -725,10 +725,12 @@ enum ws_status ws_arena_create_slots(struct ws_engine engine,
 // The default model options, `struct_size` filled in.
 struct ws_model_options ws_model_options_default(void);
 
-// Opens the model in `dir` (`model.safetensors.index.json` or
-// `*.safetensors`) with the layout in `options` (NULL: defaults). Reads
-// and checks every shard's header; the files stay open until
-// `ws_model_close`.
+// Opens the model at `dir`: its folder (`model.safetensors.index.json` or
+// `*.safetensors`), that folder's `model.safetensors.index.json`, or one
+// `.safetensors` file on its own; with the layout in `options` (NULL:
+// defaults; relative `dirs` and `mirrors` are taken against the working
+// directory). Reads and checks every shard's header; the files stay open
+// until `ws_model_close`.
 //
 // Thread safety: any thread; a model is shared by every engine made from
 // it and may be used from many threads at once.

@@ -77,10 +77,12 @@ pub extern "C" fn ws_model_options_default() -> ws_model_options {
     }
 }
 
-/// Opens the model in `dir` (`model.safetensors.index.json` or
-/// `*.safetensors`) with the layout in `options` (NULL: defaults). Reads
-/// and checks every shard's header; the files stay open until
-/// `ws_model_close`.
+/// Opens the model at `dir`: its folder (`model.safetensors.index.json` or
+/// `*.safetensors`), that folder's `model.safetensors.index.json`, or one
+/// `.safetensors` file on its own; with the layout in `options` (NULL:
+/// defaults; relative `dirs` and `mirrors` are taken against the working
+/// directory). Reads and checks every shard's header; the files stay open
+/// until `ws_model_close`.
 ///
 /// Thread safety: any thread; a model is shared by every engine made from
 /// it and may be used from many threads at once.
@@ -101,7 +103,7 @@ pub unsafe extern "C" fn ws_model_open(
         if out.is_null() {
             return Err(null("out"));
         }
-        let mut config = ModelConfig::new(dir);
+        let mut config = ModelConfig::path(dir)?;
         // SAFETY: NULL or a ws_model_options (the contract).
         if let Some(o) = unsafe { self::options(options, "options", "ws_model_options_default()") }? {
             // SAFETY: each string is NULL or NUL-terminated (the contract).

@@ -51,13 +51,18 @@ pub(crate) enum Cmd {
     ///
     /// Shards, tensors, bytes, and for each file its filesystem, device, O_DIRECT alignment and whether O_DIRECT opens.
     Inspect {
-        #[arg(value_parser = non_empty_path())]
+        /// The model: its directory, its model.safetensors.index.json, or one .safetensors file.
+        #[arg(value_name = "MODEL", value_parser = non_empty_path())]
         model_dir: PathBuf,
         #[command(flatten)]
         layout: LayoutArgs,
         /// NUMA placement shown per drive: on (hwloc, or WEIGHTSTREAM_NUMA_XML) or off (default: WEIGHTSTREAM_NUMA or on).
         #[arg(long, value_enum)]
         numa: Option<OnOff>,
+        /// List every tensor instead: name, dtype, shape, bytes, file, offset (of its payload in the file) and
+        /// drive, in name order.
+        #[arg(long, conflicts_with = "numa")]
+        tensors: bool,
         #[arg(long)]
         json: bool,
     },
@@ -65,7 +70,8 @@ pub(crate) enum Cmd {
     ///
     /// sha256 of every tensor (or the named ones), read through the in-place path; sha256sum format, sorted by name.
     Digest {
-        #[arg(value_parser = non_empty_path())]
+        /// The model: its directory, its model.safetensors.index.json, or one .safetensors file.
+        #[arg(value_name = "MODEL", value_parser = non_empty_path())]
         model_dir: PathBuf,
         /// Only these tensors (repeatable).
         #[arg(long = "tensor")]
@@ -89,7 +95,8 @@ pub(crate) enum Cmd {
     /// tensor's sha256). Exit status 0: nothing changed; 1: something changed (each file named with what
     /// changed); 2: the check could not run.
     Verify {
-        #[arg(value_parser = non_empty_path())]
+        /// The model: its directory, its model.safetensors.index.json, or one .safetensors file.
+        #[arg(value_name = "MODEL", value_parser = non_empty_path())]
         model_dir: PathBuf,
         /// Hash every tensor of every copy (reads the whole model, buffered, page cache dropped after).
         #[arg(long)]
@@ -175,7 +182,8 @@ pub(crate) enum Cmd {
     /// memory and page-cache growth: weightstream's load_all (one mapping, payloads aligned for their
     /// dtype, O_DIRECT in place), or the loaders it replaces, for comparison.
     Load {
-        #[arg(value_parser = non_empty_path())]
+        /// The model: its directory, its model.safetensors.index.json, or one .safetensors file.
+        #[arg(value_name = "MODEL", value_parser = non_empty_path())]
         model_dir: PathBuf,
         /// weightstream (load_all), safetensors-mmap (memmap2 + the safetensors crate + to_vec of every
         /// tensor, as candle-style loaders do), fs-read (std::fs::read of each shard, tensors borrowed from
@@ -234,7 +242,8 @@ pub(crate) enum Cmd {
     /// every CPU, 4 KiB and huge pages), and both their busy CPU (/proc/stat) spread over the CPUs. A whole-model
     /// load into fresh memory cannot beat it; into memory already faulted, the read alone is the ceiling.
     LoadCeiling {
-        #[arg(value_parser = non_empty_path())]
+        /// The model: its directory, its model.safetensors.index.json, or one .safetensors file.
+        #[arg(value_name = "MODEL", value_parser = non_empty_path())]
         model_dir: PathBuf,
         /// fio's sweep: quick (8 configurations and 4 randread) or full (32 and 8).
         #[arg(long, value_enum, default_value = "quick")]
@@ -284,7 +293,8 @@ pub(crate) enum Cmd {
     /// Read every expert in a seeded random order through several arms, interleaved, cold cache; ratios to the
     /// ceiling and to fio's best in the same run.
     Bench {
-        #[arg(value_parser = non_empty_path())]
+        /// The model: its directory, its model.safetensors.index.json, or one .safetensors file.
+        #[arg(value_name = "MODEL", value_parser = non_empty_path())]
         model_dir: PathBuf,
         /// Arms, in the order they run each round (ceiling, fio, engine, engine-hash, engine-stripe,
         /// engine-adaptive, pread, buffered, mmap).

@@ -10,9 +10,11 @@ use crate::ceiling::{Buffers, ReadConfig, Submit, SweepConfig};
 use crate::cli::{BackendArg, EngineArgs, LayoutArgs, OnOff};
 
 impl LayoutArgs {
-    /// The model configuration: each flag given shadows its variable.
-    pub(crate) fn config(&self, dir: &Path, direct: Option<DirectMode>) -> Result<ModelConfig, weightstream::Error> {
-        let c = ModelConfig::new(dir).settings(|k| {
+    /// The model configuration of `model` (a directory, its index json or
+    /// one `.safetensors` file: `ModelConfig::path`): each flag given
+    /// shadows its variable.
+    pub(crate) fn config(&self, model: &Path, direct: Option<DirectMode>) -> Result<ModelConfig, weightstream::Error> {
+        let c = ModelConfig::path(model)?.settings(|k| {
             let flag = match k {
                 env::MODEL_DIRS => &self.dirs,
                 env::MIRROR => &self.mirror,

@@ -24,6 +24,7 @@ mod error;
 mod load_ceiling;
 mod plot;
 mod progress;
+mod suggest;
 mod warnings;
 
 fn main() -> ExitCode {
@@ -93,7 +94,15 @@ fn run(cmd: Cmd) -> ExitCode {
         Cmd::Inspect {
             model_dir,
             layout,
+            numa: _,
+            tensors: true,
+            json,
+        } => commands::inspect::tensors(model_dir, &layout, json),
+        Cmd::Inspect {
+            model_dir,
+            layout,
             numa,
+            tensors: false,
             json,
         } => commands::inspect::inspect(model_dir, &layout, numa, json),
         Cmd::Load {

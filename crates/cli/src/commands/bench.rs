@@ -39,9 +39,10 @@ pub(crate) fn bench_cmd(
         .count();
     if matched == 0 {
         return Err(format!(
-            "bench: --filter {filter:?}: no tensor name contains it (the model in {} has {} tensor(s))",
+            "bench: --filter {filter:?}: no tensor name contains it (the model in {} has {} tensor(s)){}",
             weightstream::__internal::escape(&dir),
-            model.catalog().tensors().len()
+            model.catalog().tensors().len(),
+            crate::suggest::no_match_hint(&filter, model.catalog().tensors().iter().map(|t| t.name.as_str()))
         )
         .into());
     }

@@ -10,7 +10,9 @@ use crate::cli::{LayoutArgs, OnOff};
 use crate::commands::CliResult;
 
 pub(crate) fn inspect(dir: PathBuf, layout: &LayoutArgs, numa: Option<OnOff>, json: bool) -> CliResult {
-    let model = Model::open(layout.config(&dir, None)?)?;
+    let config = layout.config(&dir, None)?;
+    let (primary, one_file) = (config.primary.clone(), !config.only.is_empty());
+    let model = Model::open(config)?;
     let _said = crate::warnings::Watch(|| model.warnings());
     let engine = placing_engine(&model, numa)?;
     let _said_engine = crate::warnings::Watch(|| engine.as_ref().map_or_else(Vec::new, Engine::warnings));
@@ -20,7 +22,11 @@ pub(crate) fn inspect(dir: PathBuf, layout: &LayoutArgs, numa: Option<OnOff>, js
     let provider = engine.as_ref().map(|e| e.numa_provider().name());
     let refused: Vec<_> = model.copy_report().iter().filter(|c| !c.accepted).collect();
     // A placed model: its layout and each file's root.
-    let placed = weightstream::__internal::place::Placed::read(&dir)?;
+    let placed = if one_file {
+        None
+    } else {
+        weightstream::__internal::place::Placed::read(&primary)?
+    };
     if json {
         let cat = model.catalog();
         let placement = placed.as_ref().map(|p| {
@@ -79,6 +85,97 @@ pub(crate) fn inspect(dir: PathBuf, layout: &LayoutArgs, numa: Option<OnOff>, js
         )?;
     }
     print_drives(&mut out, &model, &drive_stats, provider.as_deref())?;
+    Ok(())
+}
+
+/// `weightstream inspect MODEL --tensors`: every tensor in name order,
+/// with its dtype, shape, payload bytes, file, payload offset in that file
+/// and the drive of its primary copy; opens the model only (no engine).
+pub(crate) fn tensors(dir: PathBuf, layout: &LayoutArgs, json: bool) -> CliResult {
+    let model = Model::open(layout.config(&dir, None)?)?;
+    let _said = crate::warnings::Watch(|| model.warnings());
+    let cat = model.catalog();
+    let file = |t: &weightstream::TensorRef| escape(&cat.shards()[t.shard].name);
+    let drive = |t: &weightstream::TensorRef| model.drives()[model.files()[t.shard].drive].device.clone();
+    if json {
+        let list: Vec<serde_json::Value> = cat
+            .tensors()
+            .iter()
+            .map(|t| {
+                serde_json::json!({
+                    "name": t.name,
+                    "dtype": t.dtype.name(),
+                    "shape": t.shape,
+                    "bytes": t.len,
+                    "file": file(t),
+                    "offset": t.offset,
+                    "drive": drive(t),
+                })
+            })
+            .collect();
+        let v = serde_json::json!({
+            "dir": escape(cat.dir()),
+            "bytes": cat.total_bytes(),
+            "tensors": list,
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    let rows: Vec<[String; 7]> = cat
+        .tensors()
+        .iter()
+        .map(|t| {
+            let shape: Vec<String> = t.shape.iter().map(ToString::to_string).collect();
+            [
+                t.name.clone(),
+                t.dtype.name().to_string(),
+                format!("[{}]", shape.join(", ")),
+                t.len.to_string(),
+                file(t),
+                t.offset.to_string(),
+                drive(t),
+            ]
+        })
+        .collect();
+    let head = ["name", "dtype", "shape", "bytes", "file", "offset", "drive"];
+    let mut width = head.map(str::len);
+    for r in &rows {
+        for (w, c) in width.iter_mut().zip(r) {
+            *w = (*w).max(c.chars().count());
+        }
+    }
+    let mut out = std::io::stdout().lock();
+    let line = |out: &mut std::io::StdoutLock<'_>, cells: &[&str]| -> std::io::Result<()> {
+        let mut s = String::new();
+        for (i, (c, w)) in cells.iter().zip(width).enumerate() {
+            // Numbers right-aligned (bytes, offset), the rest left.
+            let pad = w.saturating_sub(c.chars().count());
+            if i == 3 || i == 5 {
+                s.extend(std::iter::repeat_n(' ', pad));
+                s.push_str(c);
+            } else {
+                s.push_str(c);
+                if i + 1 < cells.len() {
+                    s.extend(std::iter::repeat_n(' ', pad));
+                }
+            }
+            if i + 1 < cells.len() {
+                s.push_str("  ");
+            }
+        }
+        writeln!(out, "{s}")
+    };
+    line(&mut out, &head)?;
+    for r in &rows {
+        line(&mut out, &r.each_ref().map(String::as_str))?;
+    }
+    writeln!(
+        out,
+        "{} tensor(s), {} bytes, in {} file(s)",
+        rows.len(),
+        cat.total_bytes(),
+        cat.shards().len()
+    )?;
     Ok(())
 }
 

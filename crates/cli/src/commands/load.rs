@@ -128,23 +128,30 @@ pub(crate) fn load(dir: &Path, args: &LoadArgs, engine_args: &EngineArgs, layout
     // A --name in no tensor name is a mistake (a typo loads less than
     // asked, silently), even when the other names select tensors; nothing
     // selected is never a load of nothing reported per GB of nothing.
-    let unmatched: Vec<String> = args
+    let unmatched: Vec<&String> = args
         .names
         .iter()
         .filter(|n| !model.catalog().tensors().iter().any(|t| t.name.contains(n.as_str())))
-        .map(|n| format!("{n:?}"))
         .collect();
     if count == 0 || !unmatched.is_empty() {
         let n = model.catalog().tensors().len();
         return Err(if args.names.is_empty() {
             format!("load: the model in {} has no tensors", escape(dir))
         } else {
+            let shown: Vec<String> = unmatched.iter().map(|n| format!("{n:?}")).collect();
             format!(
                 "load: --name {}: no tensor name contains {} (the model in {} has {n} tensor(s); \
-                 `weightstream inspect` lists them)",
-                unmatched.join(", --name "),
+                 `weightstream inspect --tensors` lists them){}",
+                shown.join(", --name "),
                 if unmatched.len() == 1 { "it" } else { "any of them" },
-                escape(dir)
+                escape(dir),
+                // A hint for the first: the others are most often alike.
+                unmatched
+                    .first()
+                    .map_or(String::new(), |f| crate::suggest::no_match_hint(
+                        f,
+                        model.catalog().tensors().iter().map(|t| t.name.as_str())
+                    ))
             )
         }
         .into());

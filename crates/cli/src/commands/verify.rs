@@ -30,8 +30,14 @@ pub(crate) fn verify(
         }
         None => None,
     };
-    // A placed model: every file against its layout index first.
-    let placed = weightstream::place::verify(dir, digest)?;
+    let config = layout.config(dir, None)?;
+    // A placed model (a folder, not one file of it): every file against
+    // its layout index first.
+    let placed = if config.only.is_empty() {
+        weightstream::place::verify(&config.primary, digest)?
+    } else {
+        None
+    };
     if let Some(p) = placed.as_ref().filter(|p| !p.is_clean()) {
         if json {
             println!("{}", serde_json::to_string_pretty(&serde_json::json!({ "placed": p }))?);
@@ -40,7 +46,7 @@ pub(crate) fn verify(
         }
         return Ok(false);
     }
-    let model = Model::open(layout.config(dir, None)?)?;
+    let model = Model::open(config)?;
     let _said = crate::warnings::Watch(|| model.warnings());
     let mut report = model.verify(digest)?;
     if let Some(e) = &earlier {
