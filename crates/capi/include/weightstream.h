@@ -321,6 +321,9 @@ typedef struct ws_fill_target {
   // A slice of it (`ndims` ranges, one per leading dimension, the rest
   // whole; as `ws_read_slice`), or NULL with `ndims` 0: all of it.
   const struct ws_range *bounds;
+  // The number of `bounds`. A dimension count is `ndim` everywhere
+  // else (`ws_tensor_info.ndim`, the slice calls' parameters); this
+  // field keeps the name it was released with (ABI 1.1).
   size_t ndims;
   // Where its bytes (compact, row-major) land: `len` bytes, exactly the
   // tensor's (or the slice's) payload.
@@ -801,19 +804,19 @@ enum ws_status ws_read_into(struct ws_engine engine,
                             const struct ws_read *read,
                             struct ws_ticket *ticket);
 
-// The bytes of a slice of tensor `tensor` (`bounds`: `ndims` ranges
+// The bytes of a slice of tensor `tensor` (`bounds`: `ndim` ranges
 // `[start, end)`, one per leading dimension; the dimensions after them
 // whole), and how `ws_read_slice` would read it on this engine's drives.
 // A range outside its dimension, an empty slice, or one that cuts
 // sub-byte elements is `WS_ERR_INVALID` naming the tensor.
 //
 // # Safety
-// `bounds` is valid for `ndims` reads (or `ndims` is 0); `info` is valid
+// `bounds` is valid for `ndim` reads (or `ndim` is 0); `info` is valid
 // for a write.
 enum ws_status ws_slice_size(struct ws_engine engine,
                              size_t tensor,
                              const struct ws_range *bounds,
-                             size_t ndims,
+                             size_t ndim,
                              struct ws_slice_info *info);
 
 // Starts the read of a slice of tensor `tensor` (a tensor-parallel
@@ -830,13 +833,13 @@ enum ws_status ws_slice_size(struct ws_engine engine,
 // Thread safety: as `ws_read_into`.
 //
 // # Safety
-// `bounds` is valid for `ndims` reads (or `ndims` is 0); `ticket` is
+// `bounds` is valid for `ndim` reads (or `ndim` is 0); `ticket` is
 // valid for a write.
 enum ws_status ws_read_slice(struct ws_engine engine,
                              struct ws_memory memory,
                              size_t tensor,
                              const struct ws_range *bounds,
-                             size_t ndims,
+                             size_t ndim,
                              size_t at,
                              uint32_t scratch,
                              uint32_t flags,

@@ -20,6 +20,9 @@ pub struct ws_fill_target {
     /// A slice of it (`ndims` ranges, one per leading dimension, the rest
     /// whole; as `ws_read_slice`), or NULL with `ndims` 0: all of it.
     pub bounds: *const ws_range,
+    /// The number of `bounds`. A dimension count is `ndim` everywhere
+    /// else (`ws_tensor_info.ndim`, the slice calls' parameters); this
+    /// field keeps the name it was released with (ABI 1.1).
     pub ndims: usize,
     /// Where its bytes (compact, row-major) land: `len` bytes, exactly the
     /// tensor's (or the slice's) payload.

@@ -294,36 +294,36 @@ pub unsafe extern "C" fn ws_read_into(
     })
 }
 
-/// The slice of tensor `tensor` that `bounds` (`ndims` ranges, one per
+/// The slice of tensor `tensor` that `bounds` (`ndim` ranges, one per
 /// leading dimension; the rest whole) name.
 ///
 /// # Safety
-/// `bounds` is valid for `ndims` reads (or `ndims` is 0).
+/// `bounds` is valid for `ndim` reads (or `ndim` is 0).
 pub(crate) unsafe fn slice_of(
     e: &EngineObj,
     tensor: usize,
     bounds: *const ws_range,
-    ndims: usize,
+    ndim: usize,
 ) -> Res<ws::TensorSlice> {
     let t = e.model.tensor(tensor)?;
-    if ndims > 0 && bounds.is_null() {
+    if ndim > 0 && bounds.is_null() {
         return Err(null("bounds"));
     }
-    if ndims > t.shape.len() {
+    if ndim > t.shape.len() {
         return Err(invalid(format!(
-            "tensor {}: {ndims} ranges for its {} dimensions",
+            "tensor {}: {ndim} ranges for its {} dimensions",
             t.name,
             t.shape.len()
         )));
     }
-    let ranges: &[ws_range] = if ndims == 0 {
+    let ranges: &[ws_range] = if ndim == 0 {
         &[]
     } else {
-        // SAFETY: non-NULL, valid for `ndims` reads (the contract), and
-        // `ndims` is at most the tensor's dimensions (checked above).
-        unsafe { std::slice::from_raw_parts(bounds, ndims) }
+        // SAFETY: non-NULL, valid for `ndim` reads (the contract), and
+        // `ndim` is at most the tensor's dimensions (checked above).
+        unsafe { std::slice::from_raw_parts(bounds, ndim) }
     };
-    let mut r = Vec::with_capacity(ndims);
+    let mut r = Vec::with_capacity(ndim);
     for (d, b) in ranges.iter().enumerate() {
         let (Ok(a), Ok(z)) = (usize::try_from(b.start), usize::try_from(b.end)) else {
             return Err(invalid(format!(
@@ -337,21 +337,21 @@ pub(crate) unsafe fn slice_of(
     t.slice(&r).map_err(|e| invalid(e.to_string()))
 }
 
-/// The bytes of a slice of tensor `tensor` (`bounds`: `ndims` ranges
+/// The bytes of a slice of tensor `tensor` (`bounds`: `ndim` ranges
 /// `[start, end)`, one per leading dimension; the dimensions after them
 /// whole), and how `ws_read_slice` would read it on this engine's drives.
 /// A range outside its dimension, an empty slice, or one that cuts
 /// sub-byte elements is `WS_ERR_INVALID` naming the tensor.
 ///
 /// # Safety
-/// `bounds` is valid for `ndims` reads (or `ndims` is 0); `info` is valid
+/// `bounds` is valid for `ndim` reads (or `ndim` is 0); `info` is valid
 /// for a write.
 #[no_mangle]
 pub unsafe extern "C" fn ws_slice_size(
     engine: ws_engine,
     tensor: usize,
     bounds: *const ws_range,
-    ndims: usize,
+    ndim: usize,
     info: *mut ws_slice_info,
 ) -> ws_status {
     guard("ws_slice_size", || {
@@ -360,7 +360,7 @@ pub unsafe extern "C" fn ws_slice_size(
         }
         let e = ENGINES.get(engine.id)?;
         // SAFETY: the contract above.
-        let s = unsafe { slice_of(&e, tensor, bounds, ndims) }?;
+        let s = unsafe { slice_of(&e, tensor, bounds, ndim) }?;
         let plan = e.engine.slice_plan(&s);
         let out = ws_slice_info {
             bytes: s.len(),
@@ -388,7 +388,7 @@ pub unsafe extern "C" fn ws_slice_size(
 /// Thread safety: as `ws_read_into`.
 ///
 /// # Safety
-/// `bounds` is valid for `ndims` reads (or `ndims` is 0); `ticket` is
+/// `bounds` is valid for `ndim` reads (or `ndim` is 0); `ticket` is
 /// valid for a write.
 #[no_mangle]
 #[allow(clippy::too_many_arguments)]
@@ -397,7 +397,7 @@ pub unsafe extern "C" fn ws_read_slice(
     memory: ws_memory,
     tensor: usize,
     bounds: *const ws_range,
-    ndims: usize,
+    ndim: usize,
     at: usize,
     scratch: u32,
     flags: u32,
@@ -415,7 +415,7 @@ pub unsafe extern "C" fn ws_read_slice(
         let scratch = scratch_of(scratch)?;
         let (e, m) = engine_and_memory(engine, memory)?;
         // SAFETY: the contract above.
-        let s = unsafe { slice_of(&e, tensor, bounds, ndims) }?;
+        let s = unsafe { slice_of(&e, tensor, bounds, ndim) }?;
         if m.kind == MemKind::Slots {
             return Err(invalid(
                 "an arena of fixed slots cannot take a slice at an offset: use packed memory (ws_memory_register, ws_arena_create)",
