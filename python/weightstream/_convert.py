@@ -144,9 +144,34 @@ def to_numpy(payload, dtype, shape):
     return np.from_dlpack(payload).view(n_dtype).reshape(shape)
 
 
+def require(module, framework):
+    """Imports ``module`` ("torch" or "numpy") for ``framework``, or
+    raises ModuleNotFoundError saying how to get it or what to pass
+    instead: called before anything is read."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != module:
+            raise
+        if module == "torch":
+            msg = (
+                f"framework={framework!r} (the default) returns torch tensors, and torch is not installed: "
+                "pip install 'weightstream[torch]' (or torch itself), or pass framework=\"np\" for numpy arrays"
+            )
+        else:
+            msg = f"framework={framework!r} returns numpy arrays, and numpy is not installed: pip install numpy"
+        raise ModuleNotFoundError(msg, name=module) from None
+
+
 def convert(framework):
+    """The converter of a payload into ``framework``'s tensor; its module
+    imported first (a missing one said, with the way out)."""
     if framework in ("pt", "torch", "pytorch"):
+        require("torch", framework)
         return to_torch
     if framework in ("np", "numpy"):
+        require("numpy", framework)
         return to_numpy
     raise ValueError(f"framework {framework!r}: weightstream reads into 'pt' (torch) or 'np' (numpy)")
