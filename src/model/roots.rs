@@ -70,7 +70,13 @@ pub(crate) fn resolved(given: &Path) -> String {
 /// not listed twice. Mirrors on the same filesystem as another copy are
 /// accepted but reported: they add no bandwidth.
 pub(crate) fn validate_roots(cfg: &ModelConfig) -> Result<Vec<Root>> {
-    let pmeta = std::fs::metadata(&cfg.primary).map_err(|e| Error::io(&cfg.primary, "open model directory", e))?;
+    let pmeta = std::fs::metadata(&cfg.primary).map_err(|e| {
+        Error::io(
+            &cfg.primary,
+            "open the model (a folder, its index json or one .safetensors file)",
+            e,
+        )
+    })?;
     if !pmeta.is_dir() {
         return Err(Error::catalog(&cfg.primary, "not a directory"));
     }

@@ -168,14 +168,16 @@ fn cases() -> Vec<Bad> {
         }),
         cause: &["No such file or directory"],
     });
+    // A file is opened as one .safetensors file (as safe_open takes it):
+    // one that is not a container is refused by its header.
     v.push(Bad {
-        what: "a file given as the model directory",
+        what: "a file that is not a container given as the model",
         make: Box::new(|root| {
             let p = root.join("plain-file");
-            std::fs::write(&p, good_container()).unwrap();
+            std::fs::write(&p, "hello, not a model\n").unwrap();
             (p.clone(), p)
         }),
-        cause: &["not a directory"],
+        cause: &["refused safetensors header", "header length"],
     });
     v
 }
@@ -224,14 +226,15 @@ fn cli_refuses_bad_input_naming_file_and_cause() {
     }
 }
 
-/// The same inputs through the library: `Model::open` is an error whose
+/// The same inputs through the library (`ModelConfig::path`, the door the
+/// command takes): `Model::open` is an error whose
 /// Display names the file and the cause.
 #[test]
 fn model_open_refuses_bad_input_naming_file_and_cause() {
     let tmp = common::tempdir();
     for bad in cases() {
         let (dir, names) = (bad.make)(tmp.path());
-        let err = match Model::open(ModelConfig::new(&dir)) {
+        let err = match Model::open(ModelConfig::path(&dir).unwrap()) {
             Ok(_) => panic!("{}: Model::open accepted it", bad.what),
             Err(e) => e.to_string(),
         };
