@@ -7,8 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 before=$1 after=$2 out=$3
 cap=${CAP_MBPS:-200} runs=${RUNS:-3} conc=${CONC:-8 1}
-simdrives=${SIMDRIVES:-$PWD/../shared/tools/simdrives}
-[ -x "$simdrives" ] || simdrives=$PWD/ci/simdrives
+# shellcheck source=benches/machine.sh
+. benches/machine.sh   # $simdrives, cold, machine_*, write_meta
 [ "$(id -u)" = 0 ] || { echo "before-after: SKIP: needs root"; exit 0; }
 export SIMDRIVES_BASE=/tmp/ws-before-after
 mkdir -p "$out"

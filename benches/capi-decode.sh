@@ -16,8 +16,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 [ "$(id -u)" = 0 ] || { echo "capi-decode: SKIP: needs root (simdrives, drop_caches)"; exit 0; }
-simdrives=${SIMDRIVES:-$root/../shared/tools/simdrives}
-[ -x "$simdrives" ] || simdrives=$root/ci/simdrives
+# shellcheck source=benches/machine.sh
+. benches/machine.sh   # $simdrives, cold, machine_*, write_meta
 kinds=${KINDS:-memloop zram}
 rounds=${ROUNDS:-10}
 steps=${STEPS:-6}

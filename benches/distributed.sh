@@ -22,8 +22,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
-simdrives=${SIMDRIVES:-$root/../shared/tools/simdrives}
-[ -x "$simdrives" ] || simdrives=$root/ci/simdrives
+# shellcheck source=benches/machine.sh
+. benches/machine.sh   # $simdrives, cold, machine_*, write_meta
 rounds=${ROUNDS:-3}
 mbps=${MBPS:-200}
 size=${SIZE:-0.8e9}
@@ -39,8 +39,6 @@ mkdir -p "$out"
 out=$(cd "$out" && pwd)
 : > "$out/runs.jsonl"
 export SIMDRIVES_BASE=/tmp/ws-dist-bench SIMDRIVES_CGROUP=ws-dist-bench
-# shellcheck source=benches/machine.sh
-. benches/machine.sh
 machine_save
 max=${worlds[-1]}
 cgroups=()
@@ -69,16 +67,9 @@ for r in $(seq 0 $((max - 1))); do
 done
 echo "== $kind drive $dev ($mm), model $(du -sh "$dir" | cut -f1), $mbps MB/s per rank"
 
-"$py" - "$out/meta.json" "$dir" <<PYEOF
-import json, os, subprocess, sys
-import weightstream
-sizes = [c[3] for c in weightstream._native.catalog(sys.argv[2])]
-sh = lambda *c: subprocess.run(c, capture_output=True, text=True).stdout.strip()
-json.dump({"date": sh("date", "-Is"), "kernel": os.uname().release, "cpus": os.cpu_count(),
-           "git": sh("git", "-C", "$root", "rev-parse", "HEAD"), "kind": "$kind", "mbps_per_rank": $mbps,
-           "size": float("$size"), "model_bytes": sum(sizes), "largest_tensor_bytes": max(sizes), "rounds": $rounds, "worlds": "${worlds[*]}".split(), "arms": "${arms[*]}".split()},
-          open(sys.argv[1], "w"), indent=1)
-PYEOF
+sizes=$("$py" -c 'import sys, weightstream; s = [c[3] for c in weightstream._native.catalog(sys.argv[1])]; print(sum(s), max(s))' "$dir")
+write_meta "$out/meta.json" kind="$kind" mbps_per_rank:="$mbps" size:="$size" model_bytes:="${sizes% *}" \
+    largest_tensor_bytes:="${sizes#* }" rounds:="$rounds" worlds@="${worlds[*]}" arms@="${arms[*]}"
 
 run() { # arm world round
     local arm=$1 w=$2 r=$3 init pids=() rc=0

@@ -27,8 +27,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
-simdrives=${SIMDRIVES:-$root/../shared/tools/simdrives}
-[ -x "$simdrives" ] || simdrives=$root/ci/simdrives
+# shellcheck source=benches/machine.sh
+. benches/machine.sh   # $simdrives, cold, machine_*, write_meta
 layouts=${LAYOUTS:-split:zram:2 mirror:memloop:2}
 rounds=${ROUNDS:-5}
 size=${SIZE:-1.91e9}
@@ -41,8 +41,6 @@ fresh_read=$(mktemp -d)/fresh_read
 cc -O2 -pthread -o "$fresh_read" benches/peers/fresh_read.c
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
-# shellcheck source=benches/machine.sh
-. benches/machine.sh
 machine_take ws-drives-load-bench
 
 src=/var/tmp/ws-drives-load-model-$size
@@ -52,14 +50,7 @@ if [ ! -f "$src/model.safetensors.index.json" ]; then
 fi
 "$py" benches/peers/arm.py digest-reference "$src" --digest "$out/reference.sha256" > /dev/null
 
-python3 - "$out/meta.json" <<EOF
-import json, os, subprocess, sys
-sh = lambda *c: subprocess.run(c, capture_output=True, text=True).stdout.strip()
-json.dump({"date": sh("date", "-Is"), "kernel": os.uname().release, "cpus": os.cpu_count(),
-           "git": sh("git", "-C", "$root", "rev-parse", "HEAD"), "git_dirty": bool(sh("git", "-C", "$root", "status", "--porcelain")),
-           "layouts": "$layouts".split(), "rounds": $rounds, "size": float("$size"),
-           "page_reporting_order": "$old_reporting" or None}, open(sys.argv[1], "w"), indent=1)
-EOF
+write_meta "$out/meta.json" layouts@="$layouts" rounds:="$rounds" size:="$size"
 
 gbps() { python3 -c 'import json,sys; print("%.3f" % json.load(open(sys.argv[1]))["gbps"])' "$1"; }
 

@@ -24,8 +24,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
-simdrives=${SIMDRIVES:-$root/../shared/tools/simdrives}
-[ -x "$simdrives" ] || simdrives=$root/ci/simdrives
+# shellcheck source=benches/machine.sh
+. benches/machine.sh   # $simdrives, cold, machine_*, write_meta
 rounds=${ROUNDS:-3}
 layers=${LAYERS:-16} experts=${EXPERTS:-64} expert_bytes=${EXPERT_BYTES:-1MiB} topk=${TOPK:-8}
 budget=${BUDGET:-$((layers * experts / 4))}
@@ -40,8 +40,6 @@ bench=$root/target/release/examples/expert_cache_bench
 ws=$root/target/release/weightstream
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
-# shellcheck source=benches/machine.sh
-. benches/machine.sh
 machine_take ws-expert-cache-bench
 
 # The memory cgroup of the page-cache arm.
@@ -58,16 +56,9 @@ else
 fi
 trap 'machine_give_back; rmdir "$memcg" 2>/dev/null || true' EXIT
 
-python3 - "$out/meta.json" <<EOF
-import json, os, subprocess, sys
-sh = lambda *c: subprocess.run(c, capture_output=True, text=True).stdout.strip()
-json.dump({"date": sh("date", "-Is"), "kernel": os.uname().release, "cpus": os.cpu_count(),
-           "cpu_model": next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), None),
-           "git": sh("git", "-C", "$root", "rev-parse", "HEAD"), "git_dirty": bool(sh("git", "-C", "$root", "status", "--porcelain")),
-           "rounds": $rounds, "layers": $layers, "experts": $experts, "expert_bytes": "$expert_bytes", "top_k": $topk,
-           "budget_experts": $budget, "tokens": $tokens, "tokens_capped": $tokens_capped, "cap_mbps": $cap,
-           "compute_us": $compute, "accuracy": $accuracy, "page_reporting_order": "$old_reporting" or None}, open(sys.argv[1], "w"), indent=1)
-EOF
+write_meta "$out/meta.json" rounds:="$rounds" layers:="$layers" experts:="$experts" expert_bytes="$expert_bytes" \
+    top_k:="$topk" budget_experts:="$budget" tokens:="$tokens" tokens_capped:="$tokens_capped" cap_mbps:="$cap" \
+    compute_us:="$compute" accuracy:="$accuracy"
 
 # One arm: LAYOUT ARM ROUND TOKENS MODEL [bench args...]
 arm() {

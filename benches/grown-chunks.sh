@@ -12,8 +12,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
-simdrives=${SIMDRIVES:-$root/../shared/tools/simdrives}
-[ -x "$simdrives" ] || simdrives=$root/ci/simdrives
+# shellcheck source=benches/machine.sh
+. benches/machine.sh   # $simdrives, cold, machine_*, write_meta
 kinds=${KINDS:-memloop zram}
 reps=${REPS:-3}
 runs=${RUNS:-3}

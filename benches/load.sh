@@ -35,8 +35,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
-simdrives=${SIMDRIVES:-$root/../shared/tools/simdrives}
-[ -x "$simdrives" ] || simdrives=$root/ci/simdrives
+# shellcheck source=benches/machine.sh
+. benches/machine.sh   # $simdrives, cold, machine_*, write_meta
 kinds=${KINDS:-zram virtio}
 runs=${RUNS:-5}
 size=${SIZE:-1900MiB}
@@ -49,8 +49,6 @@ ws=$root/target/release/weightstream
 mkdir -p "$out"
 export SIMDRIVES_BASE=/tmp/ws-load-bench
 
-# shellcheck source=benches/machine.sh
-. benches/machine.sh
 machine_save
 cleanup() {
     "$simdrives" down >/dev/null 2>&1 || true

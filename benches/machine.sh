@@ -1,6 +1,13 @@
-# Sourced by the benchmark scripts (bash): a cold cache, and the machine
-# made quiet for a run and put back as it was after.
+# Sourced by the benchmark scripts (bash): a cold cache, the machine made
+# quiet for a run and put back as it was after, the simulated drives'
+# tool, and the record's meta.json.
 #
+#   $simdrives        set on sourcing: SIMDRIVES, else ../shared/tools/simdrives
+#                     beside the checkout, else the vendored ci/simdrives
+#   write_meta OUT [KEY=TEXT | KEY:=JSON | KEY@=WORDS]...
+#                     OUT: the machine, the build (git, dirty), free page
+#                     reporting as machine_save found it, then each field
+#                     (benches/benchlib.py meta)
 #   machine_save      remember vm.nr_hugepages and free page reporting
 #   machine_quiet     640 huge pages in the hugetlb pool (fio's and the
 #                     ceiling's buffers), free page reporting off (order 11:
@@ -24,6 +31,15 @@
 # timing, not on the arm. Bare metal has no such parameter.
 
 reporting=/sys/module/page_reporting/parameters/page_reporting_order
+bench_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+simdrives=${SIMDRIVES:-$bench_root/../shared/tools/simdrives}
+[ -x "$simdrives" ] || simdrives=$bench_root/ci/simdrives
+
+write_meta() {
+    local out=$1
+    shift
+    WS_META_PAGE_REPORTING=${old_reporting:-} python3 "$bench_root/benches/benchlib.py" meta "$out" "$@"
+}
 
 cold() { sync; echo 3 > /proc/sys/vm/drop_caches; }
 

@@ -89,8 +89,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
-simdrives=${SIMDRIVES:-$root/../shared/tools/simdrives}
-[ -x "$simdrives" ] || simdrives=$root/ci/simdrives
+# shellcheck source=benches/machine.sh
+. benches/machine.sh   # $simdrives, cold, machine_*, write_meta
 kinds=${KINDS:-memloop zram}
 rounds=${ROUNDS:-5}
 size=${SIZE:-1.91e9}
@@ -127,8 +127,6 @@ out=$(cd "$out" && pwd)
 # Our own base and cgroup: another run's drives are left alone.
 export SIMDRIVES_BASE=/tmp/ws-peers-bench SIMDRIVES_CGROUP=ws-peers-bench
 
-# shellcheck source=benches/machine.sh
-. benches/machine.sh
 machine_save
 drives_down() {
     # simdrives keeps to the base we name: another run's drives stay.
@@ -161,21 +159,8 @@ for off in range(0, n, 1 << 30):
 fi
 
 # What this run was: enough to read the record and to rerun it.
-python3 - "$out/meta.json" <<EOF
-import json, os, subprocess, sys
-def sh(*c):
-    try:
-        return subprocess.run(c, capture_output=True, text=True, check=True).stdout.strip()
-    except Exception:
-        return None
-json.dump({
-    "date": sh("date", "-Is"), "kernel": os.uname().release, "cpus": os.cpu_count(),
-    "git": sh("git", "-C", "$root", "rev-parse", "HEAD"), "git_dirty": bool(sh("git", "-C", "$root", "status", "--porcelain")),
-    "weightstream": "$ws", "weightstream_version": sh("$ws", "--version"), "python": "$py",
-    "kinds": "$kinds".split(), "rounds": $rounds, "size": float("$size"), "arms": "${arms[*]}".split(),
-    "simdrives": "$simdrives", "page_reporting_order": "$old_reporting" or None, "keep_page_reporting": "${KEEP_PAGE_REPORTING:-0}" == "1",
-}, open(sys.argv[1], "w"), indent=1)
-EOF
+write_meta "$out/meta.json" weightstream="$ws" weightstream_version="$("$ws" --version 2>/dev/null || true)" \
+    python="$py" kinds@="$kinds" rounds:="$rounds" size:="$size" arms@="${arms[*]}" simdrives="$simdrives"
 
 # One arm, one round: its JSON to OUT/KIND-ARM-ROUND.json; 0 when it
 # succeeded. With a digest file, the arm writes its digests there.

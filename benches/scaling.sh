@@ -30,8 +30,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
-simdrives=${SIMDRIVES:-$root/../shared/tools/simdrives}
-[ -x "$simdrives" ] || simdrives=$root/ci/simdrives
+# shellcheck source=benches/machine.sh
+. benches/machine.sh   # $simdrives, cold, machine_*, write_meta
 size=${SIZE:-1e9}
 runs=${RUNS:-3}
 out=${1:-docs/benchmarks/$(date +%F)-scaling}
@@ -43,18 +43,9 @@ rates=$(mktemp -d)/rates
 cc -O2 -pthread -o "$rates" benches/scaling/rates.c
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
-# shellcheck source=benches/machine.sh
-. benches/machine.sh
 machine_take ws-scaling-bench
 
-python3 - "$out/meta.json" <<EOF
-import json, os, subprocess, sys
-sh = lambda *c: subprocess.run(c, capture_output=True, text=True).stdout.strip()
-json.dump({"date": sh("date", "-Is"), "kernel": os.uname().release, "cpus": os.cpu_count(),
-           "cpu_model": next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), None),
-           "git": sh("git", "-C", "$root", "rev-parse", "HEAD"), "git_dirty": bool(sh("git", "-C", "$root", "status", "--porcelain")),
-           "size": float("$size"), "runs": $runs, "page_reporting_order": "$old_reporting" or None}, open(sys.argv[1], "w"), indent=1)
-EOF
+write_meta "$out/meta.json" size:="$size" runs:="$runs"
 
 echo "== rates"
 "$rates" $((2 << 30)) 3 > "$out/rates.json"

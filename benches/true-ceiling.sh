@@ -20,8 +20,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
-simdrives=${SIMDRIVES:-$root/../shared/tools/simdrives}
-[ -x "$simdrives" ] || simdrives=$root/ci/simdrives
+# shellcheck source=benches/machine.sh
+. benches/machine.sh   # $simdrives, cold, machine_*, write_meta
 kinds=${KINDS:-virtio zram1 zram2 memloop loop200}
 runs=${RUNS:-3}
 sweep=${SWEEP:-quick}

@@ -7,11 +7,11 @@
 #include <stdlib.h>
 #include <sys/mman.h>
 #include <time.h>
+#include "../clock.h"
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23
 #endif
 static double secs, t0;
-static double now(void){struct timespec t;clock_gettime(CLOCK_MONOTONIC,&t);return t.tv_sec+t.tv_nsec*1e-9;}
 static void *run(void *arg){
   size_t len=256ul<<20; unsigned long *bytes=arg;
   while(now()-t0<secs){

@@ -14,7 +14,7 @@ cd "$(dirname "$0")/../.."
 [ "$(id -u)" = 0 ] || { echo "contention: SKIP: needs root"; exit 0; }
 . benches/machine.sh
 export SIMDRIVES_BASE=/tmp/ws-contention SIMDRIVES_CGROUP=ws-contention
-sd=${SIMDRIVES:-../shared/tools/simdrives}
+sd=$simdrives
 py=$(benches/peers/venv.sh)
 tmp=$(mktemp -d)
 cc -O2 -pthread -o "$tmp/faultloop" benches/contention/faultloop.c

@@ -50,7 +50,6 @@ load_weights made from safetensors' tensors."""
 import argparse
 import json
 import os
-import resource
 import statistics
 import sys
 import time
@@ -61,10 +60,8 @@ import arm  # noqa: E402  (the checkpoint writer and the payload count)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import vllm_shaped  # noqa: E402
 
-
-def cpu():
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from benchlib import cpu_seconds as cpu  # noqa: E402
 
 
 def can_drop_caches():

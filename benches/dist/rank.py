@@ -31,9 +31,11 @@ pages are touched before the second barrier. Writes one JSON line.
 import datetime
 import json
 import os
-import resource
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchlib import peak_rss  # noqa: E402
 
 
 def main():
@@ -126,7 +128,7 @@ def main():
         "tensors": len(sd),
         "gbps": nbytes / seconds / 1e9,
         "cpu_seconds": time.process_time() - cpu0,
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss_bytes": peak_rss(),
         "report": report,
     }
     with open(out, "w") as f:

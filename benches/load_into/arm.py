@@ -33,9 +33,11 @@ the model must agree)."""
 import hashlib
 import json
 import os
-import resource
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchlib import cpu_seconds as cpu, peak_rss, rss_now  # noqa: E402
 
 
 def payload_bytes(d):
@@ -49,20 +51,6 @@ def payload_bytes(d):
                 h = json.loads(fh.read(n))
             total += sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in h.items() if k != "__metadata__")
     return total
-
-
-def cpu():
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
-def rss_now():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def peak_rss():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def write(d, size):

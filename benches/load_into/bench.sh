@@ -30,8 +30,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 root=$PWD
-simdrives=${SIMDRIVES:-$root/../shared/tools/simdrives}
-[ -x "$simdrives" ] || simdrives=$root/ci/simdrives
+# shellcheck source=benches/machine.sh
+. benches/machine.sh   # $simdrives, cold, machine_*, write_meta
 kinds=${KINDS:-memloop zram}
 rounds=${ROUNDS:-5}
 size=${SIZE:-1.91e9}
@@ -47,8 +47,6 @@ mkdir -p "$out"
 out=$(cd "$out" && pwd)
 export SIMDRIVES_BASE=/tmp/ws-load-into-bench SIMDRIVES_CGROUP=ws-load-into-bench
 
-# shellcheck source=benches/machine.sh
-. benches/machine.sh
 machine_save
 drives_down() {
     [ -f "$SIMDRIVES_BASE/drives" ] && "$simdrives" down >/dev/null 2>&1
@@ -67,20 +65,7 @@ if [ ! -f "$src/model.safetensors.index.json" ]; then
     rm -rf "$src"
     "$py" benches/load_into/arm.py write "$src" "$size"
 fi
-python3 - "$out/meta.json" <<PYEOF
-import json, os, subprocess, sys
-def sh(*c):
-    try:
-        return subprocess.run(c, capture_output=True, text=True, check=True).stdout.strip()
-    except Exception:
-        return None
-json.dump({
-    "date": sh("date", "-Is"), "kernel": os.uname().release, "cpus": os.cpu_count(),
-    "git": sh("git", "-C", "$root", "rev-parse", "HEAD"), "git_dirty": bool(sh("git", "-C", "$root", "status", "--porcelain")),
-    "python": "$py", "kinds": "$kinds".split(), "rounds": $rounds, "size": float("$size"), "arms": "${arms[*]}".split(),
-    "page_reporting_order": "$old_reporting" or None,
-}, open(sys.argv[1], "w"), indent=1)
-PYEOF
+write_meta "$out/meta.json" python="$py" kinds@="$kinds" rounds:="$rounds" size:="$size" arms@="${arms[*]}"
 
 run_arm() { # kind arm round
     local kind=$1 arm=$2 r=$3 base=$out/$1-$2-$3 rc=0

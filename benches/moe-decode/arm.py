@@ -31,9 +31,11 @@ waited, bytes read).
 
 import json
 import os
-import resource
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchlib import peak_rss  # noqa: E402
 
 CONFIG = dict(
     vocab_size=32000,
@@ -52,10 +54,6 @@ CONFIG = dict(
     tie_word_embeddings=False,
     dtype="bfloat16",
 )
-
-
-def peak_rss():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def write(d):

@@ -34,8 +34,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 root=$PWD
-simdrives=${SIMDRIVES:-$root/../shared/tools/simdrives}
-[ -x "$simdrives" ] || simdrives=$root/ci/simdrives
+# shellcheck source=benches/machine.sh
+. benches/machine.sh   # $simdrives, cold, machine_*, write_meta
 kinds=${KINDS:-memloop}
 fractions=${FRACTIONS:-0.25 0.5}
 batches=${BATCHES:-1 4}
@@ -54,8 +54,6 @@ out=$(cd "$out" && pwd)
 export SIMDRIVES_BASE=/tmp/ws-moe-bench SIMDRIVES_CGROUP=ws-moe-bench
 cg=/sys/fs/cgroup/memory/ws-moe-decode
 
-# shellcheck source=benches/machine.sh
-. benches/machine.sh
 machine_save
 drives_down() {
     [ -f "$SIMDRIVES_BASE/drives" ] && "$simdrives" down >/dev/null 2>&1
@@ -81,21 +79,9 @@ sys.path.insert(0, "benches/moe-decode")
 import arm
 s = arm.sizes(sys.argv[1])
 print(s["expert_bytes"], s["other_bytes"])' "$src")
-python3 - "$out/meta.json" <<PYEOF
-import json, os, subprocess, sys
-def sh(*c):
-    try:
-        return subprocess.run(c, capture_output=True, text=True, check=True).stdout.strip()
-    except Exception:
-        return None
-json.dump({
-    "date": sh("date", "-Is"), "kernel": os.uname().release, "cpus": os.cpu_count(),
-    "git": sh("git", "-C", "$root", "rev-parse", "HEAD"), "git_dirty": bool(sh("git", "-C", "$root", "status", "--porcelain")),
-    "kinds": "$kinds".split(), "fractions": [float(x) for x in "$fractions".split()], "batches": [int(x) for x in "$batches".split()],
-    "rounds": $rounds, "tokens": $tokens, "baseline": float("$baseline"), "arms": "${arms[*]}".split(),
-    "expert_bytes": $expert_bytes, "other_bytes": $other_bytes,
-}, open(sys.argv[1], "w"), indent=1)
-PYEOF
+write_meta "$out/meta.json" kinds@="$kinds" fractions:="[${fractions// /,}]" batches:="[${batches// /,}]" \
+    rounds:="$rounds" tokens:="$tokens" baseline:="$baseline" arms@="${arms[*]}" expert_bytes:="$expert_bytes" \
+    other_bytes:="$other_bytes"
 
 mkdir -p "$cg"
 run_arm() { # kind arm fraction batch round

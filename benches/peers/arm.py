@@ -68,10 +68,12 @@ import glob
 import hashlib
 import json
 import os
-import resource
 import sys
 import time
 from importlib.metadata import PackageNotFoundError, version
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchlib import busy_ticks, cpu_seconds, page_cache_bytes, peak_rss, status_bytes  # noqa: E402
 
 PAGE = 4096
 ARMS = ("safetensors", "safetensors09", "runai", "fastsafetensors", "ws-py-load", "ws-py-safeopen", "digest-reference")
@@ -89,39 +91,6 @@ def shard_list(model_dir):
     if not files:
         sys.exit(f"arm.py: no *.safetensors and no model.safetensors.index.json in {model_dir}")
     return files
-
-
-def status_bytes(field):
-    """A `kB` field of /proc/self/status, in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def busy_ticks():
-    """The machine's busy CPU time and, of it, the host's steal, clock
-    ticks: user + nice + system + irq + softirq + steal of /proc/stat's
-    `cpu` line (idle and iowait left out; guest time is already inside
-    user), and steal alone."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (v + [0] * 8)[:8]
-    return user + nice + system + irq + softirq + steal, steal
-
-
-def page_cache_bytes():
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("Cached:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def cpu_seconds():
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 def pkg_version(name):
@@ -323,7 +292,7 @@ def main():
     cache = page_cache_bytes() - cache0
     rss_anon = status_bytes("RssAnon")
     rss_file = status_bytes("RssFile") + status_bytes("RssShmem")
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss()
 
     if a.arm == "runai":
         ring = streamer.file_streamer.ring_info()

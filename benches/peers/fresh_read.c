@@ -30,6 +30,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "../clock.h"
+
 #define HUGE (2L << 20)
 #define MAX_FILES 256
 #define MAX_COPIES 8
@@ -43,18 +45,6 @@ static long total;
 static char *buf;
 static atomic_long next_block;
 static atomic_long bytes_read;
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec + t.tv_nsec * 1e-9;
-}
-
-static double cpu_seconds(void) {
-    struct rusage u;
-    getrusage(RUSAGE_SELF, &u);
-    return u.ru_utime.tv_sec + u.ru_utime.tv_usec * 1e-6 + u.ru_stime.tv_sec + u.ru_stime.tv_usec * 1e-6;
-}
 
 static void *worker(void *arg) {
     (void)arg;

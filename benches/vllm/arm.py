@@ -27,9 +27,11 @@ process's user + system time (getrusage) over load_weights. The output:
 
 import json
 import os
-import resource
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchlib import cpu_seconds as cpu, peak_rss  # noqa: E402
 
 
 def model_bytes(d):
@@ -45,15 +47,6 @@ def model_bytes(d):
             header = json.loads(fh.read(n))
         total += sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
     return total
-
-
-def cpu():
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
-def peak_rss():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def versions():
@@ -154,6 +147,7 @@ def vllm_arm(arm_format, d):
         "bytes": n,
         "read_bytes": None if report is None else report.get("read_bytes"),
         "plan": None if report is None else {k: v for k, v in report.get("plan", {}).items() if k != "fallback_reasons"},
+        "prepared": None if report is None else report.get("prepared"),
         "load_seconds": s,
         "seconds": s,
         "gbps": n / s / 1e9,

@@ -57,8 +57,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 root=$PWD
-simdrives=${SIMDRIVES:-$root/../shared/tools/simdrives}
-[ -x "$simdrives" ] || simdrives=$root/ci/simdrives
+# shellcheck source=benches/machine.sh
+. benches/machine.sh   # $simdrives, cold, machine_*, write_meta
 kinds=${KINDS:-memloop zram}
 rounds=${ROUNDS:-5}
 size=${SIZE:-1.91e9}
@@ -80,8 +80,6 @@ export SIMDRIVES_BASE=/tmp/ws-vllm-bench SIMDRIVES_CGROUP=ws-vllm-bench
 export WEIGHTSTREAM_PLAN_CACHE=/tmp/ws-vllm-bench-plans
 rm -rf "$WEIGHTSTREAM_PLAN_CACHE"
 
-# shellcheck source=benches/machine.sh
-. benches/machine.sh
 machine_save
 drives_down() {
     [ -f "$SIMDRIVES_BASE/drives" ] && "$simdrives" down >/dev/null 2>&1
@@ -95,20 +93,7 @@ trap cleanup EXIT
 cleanup
 machine_quiet
 
-python3 - "$out/meta.json" <<EOF
-import json, os, subprocess, sys
-def sh(*c):
-    try:
-        return subprocess.run(c, capture_output=True, text=True, check=True).stdout.strip()
-    except Exception:
-        return None
-json.dump({
-    "date": sh("date", "-Is"), "kernel": os.uname().release, "cpus": os.cpu_count(),
-    "git": sh("git", "-C", "$root", "rev-parse", "HEAD"), "git_dirty": bool(sh("git", "-C", "$root", "status", "--porcelain")),
-    "python": "$py", "kinds": "$kinds".split(), "rounds": $rounds, "size": float("$size"), "arms": "${arms[*]}".split(),
-    "page_reporting_order": "$old_reporting" or None,
-}, open(sys.argv[1], "w"), indent=1)
-EOF
+write_meta "$out/meta.json" python="$py" kinds@="$kinds" rounds:="$rounds" size:="$size" arms@="${arms[*]}"
 
 declare -A dead=()
 run_arm() { # kind arm round

@@ -7,17 +7,15 @@ storage (``/proc/self/io`` read_bytes) over it. ``TimedLoads.weight_phase``
 (called through ``LLM.collective_rpc``) returns them per worker."""
 
 import os
-import resource
+import sys
 import time
 
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchlib import cpu_seconds as _cpu  # noqa: E402
+
 PHASE = {}
-
-
-def _cpu():
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 def _read_bytes():
