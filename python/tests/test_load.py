@@ -102,8 +102,9 @@ def test_names_with_shard_when_every_named_tensor_is_sliced(sharded):
     assert np.array_equal(got["model.layers.0.k.weight"], want["model.layers.0.k.weight"])
 
 
-def test_split_and_mirror(sharded, tmp_path):
-    d, want = sharded
+def split_and_mirror(d, tmp_path):
+    """The model of ``d`` split over two folders (a: the index and the
+    first shard, b: the rest) and mirrored whole in a third (m)."""
     a, b, m = tmp_path / "a", tmp_path / "b", tmp_path / "m"
     for x in (a, b, m):
         x.mkdir()
@@ -114,6 +115,12 @@ def test_split_and_mirror(sharded, tmp_path):
     for f in os.listdir(d):
         if f.endswith(".safetensors"):
             shutil.copy(d / f, m)
+    return a, b, m
+
+
+def test_split_and_mirror(sharded, tmp_path):
+    d, want = sharded
+    a, b, m = split_and_mirror(d, tmp_path)
     check(weightstream.load(a, framework="np", dirs=[b]), want)
     check(weightstream.load(d, framework="np", mirrors=[m], route="stripe"), want)
     with weightstream.safe_open(a, framework="np", dirs=[b], mirrors=None) as f:
@@ -128,16 +135,7 @@ def test_relative_split_and_mirror_folders(sharded, tmp_path, monkeypatch):
     model's own folder may be: taken against it (load, safe_open, stream,
     Engine)."""
     d, want = sharded
-    a, b, m = tmp_path / "a", tmp_path / "b", tmp_path / "m"
-    for x in (a, b, m):
-        x.mkdir()
-    shutil.copy(d / "model.safetensors.index.json", a)
-    shutil.copy(d / "model-00001-of-00003.safetensors", a)
-    for k in (2, 3):
-        shutil.copy(d / f"model-0000{k}-of-00003.safetensors", b)
-    for f in os.listdir(d):
-        if f.endswith(".safetensors"):
-            shutil.copy(d / f, m)
+    _a, b, _m = split_and_mirror(d, tmp_path)
     monkeypatch.chdir(tmp_path)
     report = {}
     check(weightstream.load("a", framework="np", dirs=["b"], mirrors=["./m"], report=report), want)

@@ -466,3 +466,45 @@ def test_the_package_has_no_import_circle():
 
     circles = [c for c in (circle(m) for m in sorted(mods)) if c]
     assert not circles, circles
+
+
+@pytest.mark.parametrize("mode", ["never", "always", "idle"])
+def test_the_prepare_helper_populates_planned_storages_by_mode(mode, monkeypatch):
+    """The planned storages: never populated (`never`), all of them in
+    pieces (`always`), or only while a CPU is spare (`idle`: how much
+    depends on the machine's load, so only its bounds are facts). No byte
+    of any parameter changes; stop() ends the helper, in every mode."""
+    vllm_or_skip()
+    import torch
+
+    from weightstream import _vllm_loader as vl
+
+    monkeypatch.setenv("WEIGHTSTREAM_VLLM_POPULATE_PLANNED", mode)
+    model = torch.nn.Linear(256, 256)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    import mmap
+
+    # Fresh anonymous memory, two pieces (the last short), its pages not
+    # there until populated; a mark in every 64th page, written before.
+    buf = mmap.mmap(-1, vl.PLANNED_PIECE + (5 << 20))
+    planned = torch.frombuffer(buf, dtype=torch.uint8)
+    planned[:: 64 * 4096] = 7
+    st = planned.untyped_storage()
+    prep = vl._Prepare(model, advise_only=[(st.data_ptr(), st.nbytes())])
+    if mode != "idle":
+        prep._thread.join()  # runs to its end without a stop
+    got = prep.stop()
+    assert got["refused"] is None, got
+    assert got["planned_mode"] == mode
+    if mode == "never":
+        assert got["planned_bytes"] == 0 and got["planned_waits"] == 0
+    elif mode == "always":
+        assert got["planned_bytes"] == st.nbytes() and got["planned_waits"] == 0
+    else:
+        assert 0 <= got["planned_bytes"] <= st.nbytes()
+    assert not prep._thread.is_alive()
+    assert torch.all(planned[:: 64 * 4096] == 7) and int(planned.sum()) == 7 * len(planned[:: 64 * 4096])
+    del planned, st
+    buf.close()
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
