@@ -599,10 +599,12 @@ class _Prepare:
     or an O_DIRECT read landing in place, then takes a whole 2 MiB page.
     Then a thread of its own populates them (MADV_POPULATE_WRITE), in the
     model's order (roughly the checkpoint's, which the copies follow),
-    except ``advise_only``: ``(address, bytes)`` of storages a plan's reads
-    land in, which fault their own pages in as they land; populating those
-    too only takes the CPU from the reads. No byte of a parameter changes;
-    a refusal (a kernel before 5.14) ends the helper, said in the report.
+    then ``advise_only``: ``(address, bytes)`` of storages a plan's reads
+    land in, in the fill's order, each piece only while a CPU is spare
+    (``_run_planned``): the reads fault their own pages in as they land,
+    and clearing ahead of them helps only where they leave CPUs idle. No
+    byte of a parameter changes; a refusal (a kernel before 5.14) ends the
+    helper, said in the report.
 
     Measured on the benchmark's 1.85 GB model: the load without a plan 10%
     faster (docs/benchmarks/2026-12-03-vllm). With the plan (cold, 3
