@@ -6,6 +6,8 @@ parameter): what is planned, what falls back and why, and, filled from a
 real checkpoint with the fallback run on real tensors, the parameters'
 bytes equal the loader's own run on the real tensors. No vLLM needed."""
 
+import gc
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -259,6 +261,50 @@ def test_rehome_puts_parameters_in_phase_with_their_files_so_the_fill_reads_them
     ref.load_weights(tensors.items())
     for n in ("fused", "emb"):
         assert torch.equal(getattr(model, n), getattr(ref, n)), n
+
+
+def _mapping_of(address):
+    """The (start, end) of the mapping in /proc/self/maps holding address."""
+    with open("/proc/self/maps") as fh:
+        for line in fh:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return lo, hi
+    return None
+
+
+def test_a_moved_parameter_gives_its_pages_back_when_it_goes(tmp_path):
+    """``rehome``'s memory is a mapping of the parameter's own, not the
+    allocator's heap: once glibc's mmap threshold has risen (it rises to
+    each large block freed, as rehome frees the parameters' first
+    storages), the heap keeps freed pages, and vLLM's CPU weight
+    processing, which drops a packed linear's weight, left 20 MB resident.
+    With the threshold held high here, as it is then, the moved parameter's
+    address is unmapped once the parameter is dropped."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    M_MMAP_THRESHOLD = -3
+    assert libc.mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1
+    try:
+        f = tmp_path / "big.safetensors"
+        g = torch.Generator().manual_seed(6)
+        st.save_file({"_": torch.zeros(25), "a_part": torch.randn(64, 256, generator=g), "b_part": torch.randn(32, 256, generator=g), "c_emb": torch.randn(37, 256, generator=g)}, str(f))
+        reader = native.Reader(str(f))
+        model = Big()
+        tr, plan = plan_for(model, reader, ["a_part", "b_part", "c_emb"])
+        moved = wp.rehome(plan, model, {0: reader}, tr.other_writes)
+        assert moved["parameters"] == 2, moved
+        wp.fill(plan, {0: reader})
+        fused, emb = model.fused.data_ptr(), model.emb.data_ptr()
+        assert _mapping_of(fused) is not None and _mapping_of(emb) is not None
+        del plan, tr
+        model.fused = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+        gc.collect()
+        assert _mapping_of(fused) is None, "the moved parameter's pages outlived it"
+        assert _mapping_of(emb) is not None
+    finally:
+        libc.mallopt(M_MMAP_THRESHOLD, 128 << 10)
 
 
 def test_a_changed_checkpoint_never_meets_a_stale_plan(tmp_path):
