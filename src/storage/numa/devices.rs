@@ -2,13 +2,10 @@
 //! device to its members), member localities combined, and hwloc's list
 //! syntax for CPU and node sets.
 
-#[cfg(any(feature = "numa", test))]
 use std::collections::BTreeMap;
 
-#[cfg(any(feature = "numa", test))]
 use super::Locality;
 
-#[cfg(any(feature = "numa", test))]
 /// The whole-disk name of `dev` (`nvme0n1p2` -> `nvme0n1`), through sysfs;
 /// `dev` itself when sysfs does not know it.
 pub(crate) fn disk_of(dev: &str) -> String {
@@ -26,7 +23,6 @@ pub(crate) fn disk_of(dev: &str) -> String {
         .unwrap_or_else(|| dev.to_string())
 }
 
-#[cfg(any(feature = "numa", test))]
 /// The members of a stacked device (device-mapper, md): the disks behind
 /// `/sys/block/X/slaves`, resolved recursively to whole disks. Empty for a
 /// plain disk.
@@ -62,7 +58,6 @@ pub(crate) fn members_of(disk: &str) -> Vec<String> {
     out
 }
 
-#[cfg(any(feature = "numa", test))]
 /// Combines member localities: the majority node wins (ties: the lowest
 /// node); a split is noted and logged.
 pub(crate) fn majority(device: &str, members: &[(String, Locality)], source: &'static str) -> Locality {
@@ -109,7 +104,6 @@ pub(crate) fn majority(device: &str, members: &[(String, Locality)], source: &'s
     loc
 }
 
-#[cfg(any(feature = "numa", test))]
 /// `0-3,8,10-11` from sorted indices.
 pub(crate) fn list_string(idx: impl IntoIterator<Item = usize>) -> String {
     let mut out: Vec<String> = Vec::new();

@@ -1,6 +1,7 @@
 //! The hwloc providers (feature `numa`): the live system, or a topology
-//! exported as XML; and the fallbacks to [`SingleNode`] when hwloc fails or
-//! the feature is off.
+//! exported as XML; and the fallbacks when hwloc fails or the feature is
+//! off: the live system through sysfs ([`super::sysfs`]), an XML topology
+//! to [`SingleNode`] (only hwloc reads one).
 //!
 //! [`SingleNode`]: super::SingleNode
 
@@ -8,6 +9,7 @@ use std::collections::HashMap;
 #[cfg(feature = "numa")]
 use std::sync::Arc;
 
+use super::sysfs::Sysfs;
 use super::Provider;
 #[cfg(feature = "numa")]
 use super::{disk_of, list_string, majority, members_of, parse_list, Locality, TopologyProvider};
@@ -48,16 +50,27 @@ pub(super) fn live_or_fallback(aliases: HashMap<String, String>) -> Provider {
             aliases,
         }),
         Err(e) => {
-            let why = format!("hwloc topology: {e}");
-            warn_fallback_once(&why);
-            Provider::off(&why)
+            static WARNED: std::sync::Once = std::sync::Once::new();
+            WARNED.call_once(|| {
+                tracing::warn!("hwloc topology: {e}; NUMA placement from sysfs instead (each drive's numa_node)")
+            });
+            Provider::new(Sysfs::live())
         }
     }
 }
 
+/// Without hwloc (the wheel's build), the live system through sysfs:
+/// said once, as every fallback is. Device aliases are for XML topologies
+/// only.
 #[cfg(not(feature = "numa"))]
 pub(super) fn live_or_fallback(_aliases: HashMap<String, String>) -> Provider {
-    Provider::off("built without the `numa` feature")
+    static SAID: std::sync::Once = std::sync::Once::new();
+    SAID.call_once(|| {
+        tracing::info!(
+            "NUMA placement from sysfs (each drive's numa_node): this build has no hwloc (the `numa` feature)"
+        )
+    });
+    Provider::new(Sysfs::live())
 }
 
 #[cfg(feature = "numa")]

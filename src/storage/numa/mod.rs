@@ -28,11 +28,10 @@ use std::sync::Arc;
 
 mod devices;
 mod hwloc;
-#[cfg(feature = "numa")]
 mod one_node;
+mod sysfs;
 
 pub(crate) use devices::parse_list;
-#[cfg(any(feature = "numa", test))]
 pub(crate) use devices::{disk_of, list_string, majority, members_of};
 #[cfg(feature = "numa")]
 pub use hwloc::Hwloc;
@@ -144,7 +143,6 @@ impl Provider {
         // nothing to place, and building hwloc's topology (10 ms, the
         // largest part of Engine::new on such a machine, measured) would
         // only say so.
-        #[cfg(feature = "numa")]
         if one_node_online() {
             if let Some(p) = one_node::OneNode::from_sysfs() {
                 return Provider::new(p);
@@ -160,7 +158,6 @@ impl Provider {
 }
 
 /// What a machine with one NUMA node online says of every drive.
-#[cfg(feature = "numa")]
 pub(crate) const ONE_NODE: &str =
     "one NUMA node online (/sys/devices/system/node/online): node 0, its CPUs from sysfs, hwloc not consulted";
 
@@ -210,6 +207,23 @@ impl TopologyProvider for SingleNode {
     }
 }
 
+/// Binds the calling thread to `locality`'s cpuset (`sched_setaffinity`).
+pub(crate) fn bind_cpus(locality: &Locality) -> Result<(), String> {
+    let list = locality.cpuset.as_deref().ok_or("no cpuset")?;
+    let cpus = parse_list(list).ok_or_else(|| format!("bad cpuset {list:?}"))?;
+    let mut set = rustix::thread::CpuSet::new();
+    for c in cpus {
+        if c >= rustix::thread::CpuSet::MAX_CPU {
+            return Err(format!(
+                "CPU {c} is beyond the {} a CPU set holds",
+                rustix::thread::CpuSet::MAX_CPU
+            ));
+        }
+        set.set(c);
+    }
+    rustix::thread::sched_setaffinity(None, &set).map_err(|e| format!("sched_setaffinity: {e}"))
+}
+
 /// Binds the calling thread to `locality` through `provider` and says what
 /// happened: `cpuset 0-3`, `would bind cpuset 4-7 (...)`, `not bound: ...`.
 pub fn bind_thread_described(provider: &dyn TopologyProvider, locality: &Locality) -> String {
@@ -240,7 +254,6 @@ pub(crate) fn online_nodes() -> usize {
 
 /// Whether `/sys/devices/system/node/online` says exactly one node is
 /// online (false when it cannot be read: then hwloc is asked).
-#[cfg(feature = "numa")]
 fn one_node_online() -> bool {
     online_node_count() == Some(1)
 }

@@ -37,19 +37,7 @@ impl TopologyProvider for OneNode {
     }
 
     fn bind_current_thread(&self, locality: &Locality) -> Result<(), String> {
-        let list = locality.cpuset.as_deref().ok_or("no cpuset")?;
-        let cpus = parse_list(list).ok_or_else(|| format!("bad cpuset {list:?}"))?;
-        let mut set = rustix::thread::CpuSet::new();
-        for c in cpus {
-            if c >= rustix::thread::CpuSet::MAX_CPU {
-                return Err(format!(
-                    "CPU {c} is beyond the {} a CPU set holds",
-                    rustix::thread::CpuSet::MAX_CPU
-                ));
-            }
-            set.set(c);
-        }
-        rustix::thread::sched_setaffinity(None, &set).map_err(|e| format!("sched_setaffinity: {e}"))
+        super::bind_cpus(locality)
     }
 
     /// One node: every page is on it already.
