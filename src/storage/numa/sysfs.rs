@@ -151,7 +151,7 @@ fn mbind_bind(area: &[u8], node: usize) -> Result<(), String> {
     if area.is_empty() {
         return Ok(());
     }
-    if (area.as_ptr() as usize) % page != 0 {
+    if !(area.as_ptr() as usize).is_multiple_of(page) {
         return Err(format!(
             "mbind: the area at {:p} does not start on a page",
             area.as_ptr()
