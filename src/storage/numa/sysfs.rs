@@ -134,6 +134,11 @@ impl TopologyProvider for Sysfs {
         if !self.root.join(format!("devices/system/node/node{node}")).exists() {
             return Err(format!("NUMA node {node} is not online"));
         }
+        if !self.binds_for_real() {
+            // A copy of another machine's sysfs: the binding would be
+            // valid there; nothing of this process changes.
+            return Ok(());
+        }
         mbind_bind(area, node)
     }
 
@@ -263,8 +268,16 @@ mod tests {
     #[test]
     fn a_copy_of_sysfs_binds_nothing_for_real() {
         let t = tree();
-        assert!(!Sysfs::at(t.path()).binds_for_real());
+        let s = Sysfs::at(t.path());
+        assert!(!s.binds_for_real());
         assert!(Sysfs::live().binds_for_real());
+        // Node 1 is online in the copy: valid there, not applied here (this
+        // machine may have no node 1, and mbind would refuse it).
+        let page = rustix::param::page_size();
+        let v = vec![0u8; 2 * page];
+        let off = v.as_ptr().align_offset(page);
+        assert_eq!(s.bind_area(&v[off..off + page], 1), Ok(()));
+        assert!(s.bind_area(&v[off..off + page], 2).unwrap_err().contains("not online"));
     }
 
     #[test]
