@@ -782,13 +782,10 @@ def rehome(plan, model, readers, others=()):
             stay("held by another tensor", [name])
             continue
         es = p.element_size()
-        raw = _mapped_bytes(nbytes + align)
-        skip = (phase - raw.data_ptr()) % align
-        if skip % es:
+        if phase % es:
             stay("file offset not a multiple of the element size", [name])
             continue
-        new = raw[skip : skip + nbytes].view(p.dtype).view(p.shape)
-        del raw
+        new = _mapped_bytes(nbytes, phase).view(p.dtype).view(p.shape)
 
         def moved(d):
             # The same view of the new storage (offsets from its start).
@@ -810,22 +807,38 @@ def rehome(plan, model, readers, others=()):
     return out
 
 
-def _mapped_bytes(nbytes):
-    """``nbytes`` of fresh anonymous memory of its own mapping, as a uint8
-    tensor that keeps the mapping alive and unmaps it when its storage is
-    freed. Not the allocator's: glibc raises its mmap threshold to the size
-    of each large block freed (up to 32 MiB), so once ``rehome`` has freed
-    the parameters' first storages, the next ones of that size come from
-    its heap, and when vLLM's CPU weight processing later frees them
-    (oneDNN packs a linear's weight and drops it) the heap keeps the pages:
-    18 fused qkv weights of 10.5 MB left 20 MB resident, measured. A
-    mapping of its own gives its pages back when the parameter goes."""
+_HUGE = 2 << 20
+
+
+def _mapped_bytes(nbytes, phase):
+    """``nbytes`` of fresh anonymous memory at an address ``phase`` bytes
+    past a 2 MiB boundary (``phase`` < a page), as a uint8 tensor whose
+    storage is those bytes alone and which keeps its mapping alive, unmapped
+    when the storage is freed.
+
+    Not the allocator's: glibc raises its mmap threshold to the size of
+    each large block freed (up to 32 MiB), so once ``rehome`` has freed the
+    parameters' first storages the next ones of that size come from its
+    heap, and when vLLM's CPU weight processing later frees them (oneDNN
+    packs a linear's weight and drops it) the heap keeps the pages: 18
+    fused qkv weights of 10.5 MB left 20 MB resident, measured. A mapping
+    of its own gives them back when the parameter goes.
+
+    At a 2 MiB boundary: the huge-page advice the loader gives the storage
+    (``_Prepare``) then covers whole huge pages from its first byte; the
+    storage ends where the parameter does, so no huge page reaches past it
+    (the last partial 2 MiB is small pages). The mapping is 2 MiB longer than
+    that; the slack before and after is never touched (no resident page)."""
     import mmap
 
     # Private: the process's own pages (counted as its anonymous memory,
     # copied on write at a fork), as malloc's are; Python's default for an
     # anonymous map is shared memory.
-    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=torch.uint8)
+    m = mmap.mmap(-1, nbytes + phase + _HUGE, flags=mmap.MAP_PRIVATE)
+    whole = torch.frombuffer(m, dtype=torch.uint8)
+    start = (-whole.data_ptr()) % _HUGE + phase
+    del whole
+    return torch.frombuffer(m, dtype=torch.uint8, count=nbytes, offset=start)
 
 
 def _run_start(shape, box, tbytes):
