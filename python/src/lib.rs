@@ -582,6 +582,18 @@ impl Reader {
         Ok((t.dtype.name().to_string(), t.shape.clone(), t.len, t.offset))
     }
 
+    /// `(wanted, read)`: the bytes of the block of `name` that keeps
+    /// `bounds[d]` of each dimension, and the bytes of whole blocks the
+    /// drives move to read it alone (`Engine::slice_plan`: runs merged
+    /// across short gaps, as `_fill` reads a slice). Nothing is read.
+    fn _slice_read_bytes(&self, name: &str, bounds: Vec<(usize, usize)>) -> PyResult<(u64, u64)> {
+        let t = self.tensor(name)?;
+        let ranges: Vec<_> = bounds.iter().map(|&(a, z)| a..z).collect();
+        let slice = t.slice(&ranges).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let plan = self.engine()?.slice_plan(&slice);
+        Ok((plan.wanted, plan.read))
+    }
+
     /// The payload of `name`, or bytes `[start, end)` of it, in memory of
     /// its own.
     #[pyo3(signature = (name, start=None, end=None))]

@@ -190,17 +190,25 @@ def test_the_plan_through_the_device_path_gives_the_same_bytes(models, tmp_path,
 
 
 def test_tensor_parallel_ranks_with_the_plan_read_only_their_slices(models, tmp_path, monkeypatch):
-    """TP=2 with the plan: each rank's parameters equal `auto`'s rank's,
-    and each rank reads (/proc/self/io read_bytes over the load, O_DIRECT)
-    less than a TP=1 load of the same checkpoint does: its slices and the
-    replicated tensors. This model's tensors are a few KiB, so whole 4 KiB
-    blocks and the shards' headers weigh: 0.77 here (the bench measures
-    the share on a model of a real size)."""
+    """TP=2 with the plan, dense and MoE: each rank's parameters equal
+    `auto`'s rank's, and each rank reads half the checkpoint: its slices,
+    and its half of the tensors it cannot read its part of alone (the
+    row-parallel o_proj and down_proj, whose half-rows here are 256-512
+    bytes, and the replicated norms), which the two ranks read together
+    (_tp_share). Counted twice: the engine's bytes from the drives (0.5 of
+    a TP=1 load's, exactly, but for the block-aligned cuts), and
+    /proc/self/io read_bytes over the load (the kernel's, less than a
+    TP=1 load's; on a model of a few MB the engine's drive probe and the
+    imports weigh: the bench measures a real size)."""
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1" if (os.cpu_count() or 1) >= 2 else "0|0")
     m = "llama-bfloat16"
+    moe = ["qwen3moe-float32", "mixtral-bfloat16"]
     jobs = digest_jobs(models, [m], tp=2) + [digest_jobs(models, [m])[1], digest_jobs(models, [m], tp=2)[1]]
-    ref, ours, whole, again = run(jobs, tmp_path, "tp2plan")
+    jobs += digest_jobs(models, moe, tp=2)
+    ref, ours, whole, again, *moe_res = run(jobs, tmp_path, "tp2plan")
     assert_same_parameters(ref, ours, "tp2")
+    for i, n in enumerate(moe):
+        assert_same_parameters(moe_res[2 * i], moe_res[2 * i + 1], f"tp2 {n}")
     # The second TP=2 load finds each rank's own plan in the cache (the
     # key holds the rank: rank 1 given rank 0's slices would differ here).
     assert_same_parameters(ref, again, "tp2 from the plan cache")
@@ -209,12 +217,26 @@ def test_tensor_parallel_ranks_with_the_plan_read_only_their_slices(models, tmp_
     assert len({r["report"]["plan"]["cache"]["file"] for r in again["ranks"]}) == 2
     assert "error" not in whole, whole.get("error", "")[-3000:]
     one = whole["ranks"][0]["report"]["read_bytes"]
+    one_drives = sum(whole["ranks"][0]["report"]["drives"].values())
+    assert one_drives == whole["ranks"][0]["report"]["bytes"]
     # Direct reads are counted; a folder on tmpfs would count none.
     assert one > 0
-    for rank in ours["ranks"]:
-        rep = rank["report"]
-        assert rep["plan"]["used"] and rep["plan"]["fallback_tensors"] == 0, rep["plan"]
-        assert 0 < rep["read_bytes"] < 0.9 * one, (rep["read_bytes"], one)
+    for res in [ours, again] + moe_res[1::2]:
+        drives = []
+        for rank in res["ranks"]:
+            rep = rank["report"]
+            assert rep["plan"]["used"] and rep["plan"]["fallback_tensors"] == 0, rep["plan"]
+            shared = rep["plan"]["shared"]
+            assert shared["why_not"] is None and shared["tensors"] > 0 and shared["ranks"] == 2, shared
+            assert shared["read_bytes"] <= 0.5 * shared["bytes"] + 4096 * shared["tensors"], shared
+            drives.append(sum(rep["drives"].values()))
+        if res is ours or res is again:
+            for d in drives:
+                assert 0.45 * one_drives < d < 0.53 * one_drives, (drives, one_drives)
+            for rank in res["ranks"]:
+                assert 0 < rank["report"]["read_bytes"] < 0.8 * one, (rank["report"]["read_bytes"], one)
+        # Between them the ranks read each byte about once.
+        assert sum(drives) < 1.06 * res["ranks"][0]["report"]["bytes"], drives
 
 
 def test_a_model_whose_loader_the_plan_refuses_falls_back_with_the_same_bytes(tmp_path):

@@ -153,6 +153,23 @@ class WeightstreamModelLoader(BaseModelLoader):
                 plan["trace_runs"],
                 "" if plan["cache"]["state"] in ("hit", "kept", "off") else f"; plan cache: {plan['cache']['why']}",
             )
+            shared = plan.get("shared")
+            if shared is not None and shared["why_not"] is None:
+                logger.info(
+                    "weightstream plan: %d tensors (%.3f GB) read together by the %d tensor-parallel ranks (a part "
+                    "of a rank is too narrow to read alone): this rank read %.3f GB of them, %.3f GB alone; %d "
+                    "batch(es) through a %.0f MiB buffer, %.3f s",
+                    shared["tensors"],
+                    shared["bytes"] / 1e9,
+                    shared["ranks"],
+                    shared["read_bytes"] / 1e9,
+                    shared["alone_bytes"] / 1e9,
+                    shared["batches"],
+                    shared["buffer_bytes"] / 2**20,
+                    shared["seconds"],
+                )
+            elif shared is not None:
+                logger.info("weightstream plan: no tensor read together by the tensor-parallel ranks: %s", shared["why_not"])
             for reason, g in plan["fallback_reasons"].items():
                 logger.info(
                     "weightstream plan: %d tensors (%.3f GB) through vLLM's loaders: %s (%s%s)",
@@ -219,19 +236,34 @@ class WeightstreamModelLoader(BaseModelLoader):
         ``load_into``'s pipeline), then ``load_weights`` run on the real
         tensors of what fell back and of the files that are not
         safetensors. Returns the names the loaders loaded."""
-        sels = [self._select(s) for s in self._sources(model)]
+        # With tensor parallelism the ranks read some tensors together
+        # (_tp_share): every rank then joins the group's collectives, and
+        # one that fails before them says so to the others (they raise
+        # too, rather than wait for it).
+        group = _tp_group()
         readers = {}
         try:
-            return self._fill_planned(model, sels, readers)
+            try:
+                sels = [self._select(s) for s in self._sources(model)]
+                traced = self._plan(model, sels, readers)
+            except BaseException as e:
+                if group is not None:
+                    from . import _tp_share
+
+                    _tp_share.abandon(group, e)
+                raise
+            return self._fill_planned(model, sels, readers, traced, group)
         finally:
             # Closed whatever happened (a refused plan, a failed read, a
             # loader that raised): no Reader outlives its load.
             for r in readers.values():
                 r.close()
 
-    def _fill_planned(self, model, sels, readers):
-        """`_load_planned`'s body: ``readers`` (empty) gets each source's
-        Reader as it is opened, for the caller to close."""
+    def _plan(self, model, sels, readers):
+        """The plan of ``sels``: each source's Reader opened into
+        ``readers`` (empty; the caller closes them), the stand-ins traced
+        (or the plan cache's), checked, the parameters it fills whole moved
+        in phase. Returns ``(trace, plan, rehomed, cache, packed, nbytes)``."""
         import torch  # noqa: F401 - the stand-ins and the fill are torch's
 
         from . import _weight_plan as wp
@@ -261,6 +293,19 @@ class WeightstreamModelLoader(BaseModelLoader):
         # file offset, move to memory of their own in phase (before the
         # helper prepares their pages): the reads land in them in place.
         rehomed = wp.rehome(plan, model, readers, tr.other_writes)
+        return tr, plan, rehomed, cache, packed, nbytes
+
+    def _fill_planned(self, model, sels, readers, traced, group):
+        """Reads the plan (``_plan``'s) into the parameters: with a
+        tensor-parallel ``group``, the tensors no rank can read its part of
+        alone together with the group first (``_tp_share``), then the rest
+        alone; then what fell back through the loaders. Returns the names
+        the loaders loaded."""
+        from . import _tp_share
+        from . import _weight_plan as wp
+
+        o = self.options
+        tr, plan, rehomed, cache, packed, nbytes = traced
         # The planned parameters get the huge-page advice only: the fill's
         # reads fault their pages in as they land (see _Prepare).
         planned_storages = []
@@ -274,7 +319,14 @@ class WeightstreamModelLoader(BaseModelLoader):
         info = {"used": True, "trace_seconds": tr.seconds, "trace_runs": tr.runs, "rehomed": rehomed, "cache": cache}
         force_pipeline = os.environ.get("WEIGHTSTREAM_FORCE_DEVICE_PATH", "") not in ("", "0")
         try:
-            info.update(wp.fill(plan, readers, pipeline=force_pipeline))
+            own = plan
+            if group is not None:
+                block = max((r.direct_align() for r in readers.values()), default=4096)
+                own, shared = _tp_share.split(plan, readers, group, block)
+                if not _tp_share.run(shared, readers, block):
+                    own = plan
+                info["shared"] = shared.report
+            info.update(wp.fill(own, readers, pipeline=force_pipeline))
         finally:
             self.report["prepared"] = prep.stop()
         for r in readers.values():

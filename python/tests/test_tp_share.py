@@ -1,0 +1,170 @@
+"""Reads the ranks of a tensor-parallel group share (_tp_share): the
+tensors a rank cannot read its part of alone (a part of a row under a
+block) read once by the group, 1/W by each rank, into a buffer the ranks
+map together, each rank's parts copied out of it. Two gloo ranks, each a
+process of its own (tp_share_child.py): every part equal to the reference
+reader's, each rank's storage reads about half the model, many batches
+reusing the buffer's halves, a failed read and a rank failing before the
+agreement raising on every rank (naming it), a buffer a rank cannot open
+falling back to reads alone. The pure parts (the shares, the batches, the
+box copies) in this process."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import o_direct_dir, require
+
+CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tp_share_child.py")
+SHARED = sorted(p + n for p in ("a.", "b.") for n in ("f8", "narrow", "norm", "strided", "two"))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """Two files: row-parallel shapes whose half-rows are 1-2 KiB (narrow,
+    strided, two, f8), a wide one whose half-rows are 64 KiB, rows, a norm."""
+    torch = require("torch")
+    from safetensors.torch import save_file
+
+    d = o_direct_dir(tmp_path_factory, "tpshare")
+    g = torch.Generator().manual_seed(47)
+    # Two files of the same layout: their tensors tie on file offsets (the
+    # ranks must still lay the buffer out alike).
+    for f, prefix in (("model-00001-of-00002.safetensors", "a."), ("model-00002-of-00002.safetensors", "b.")):
+        t = {
+            "narrow": torch.randn((1024, 1024), generator=g).to(torch.bfloat16),
+            "wide": torch.randn((16, 65536), generator=g).to(torch.bfloat16),
+            "rows": torch.randn((512, 256), generator=g),
+            "norm": torch.randn((4096,), generator=g),
+            "strided": torch.randn((128, 512), generator=g),
+            "two": torch.randn((300, 256), generator=g).to(torch.bfloat16),
+            "f8": torch.randn((64, 2048), generator=g).to(torch.float8_e4m3fn),
+        }
+        save_file({prefix + k: v for k, v in t.items()}, os.path.join(d, f))
+    return d
+
+
+def run(model, mode, tmp_path, world=2):
+    init = tmp_path / f"init-{mode}"
+    procs, outs = [], []
+    for r in range(world):
+        out = tmp_path / f"out-{mode}-{r}.json"
+        outs.append(out)
+        procs.append(subprocess.Popen([sys.executable, CHILD, str(model), str(init), str(r), str(world), str(out), mode]))
+    for p in procs:
+        p.wait(timeout=300)
+    return [json.loads(o.read_text()) if o.exists() else None for o in outs]
+
+
+def test_each_rank_reads_half_of_what_it_cannot_read_alone_and_gets_its_exact_parts(model, tmp_path):
+    res = run(model, "ok", tmp_path)
+    size = sum(os.path.getsize(os.path.join(model, f)) for f in os.listdir(model))
+    shared_bytes = 0
+    for r, res_r in enumerate(res):
+        assert res_r is not None and "error" not in res_r, (r, res_r)
+        assert res_r["got"] == res_r["want"], r
+        assert res_r["done"] and res_r["shared"] == SHARED, res_r
+        rep = res_r["report"]
+        assert rep["why_not"] is None and rep["tensors"] == len(SHARED) and rep["ranks"] == 2, rep
+        shared_bytes = rep["bytes"]
+        # Its share of each shared tensor, cut at blocks: half, within a
+        # block per tensor.
+        assert abs(rep["read_bytes"] - shared_bytes / 2) <= 4096 * len(SHARED), rep
+        # Alone it would have moved each of them nearly whole.
+        assert rep["alone_bytes"] > 0.95 * shared_bytes, rep
+        # From the drives (the engine's count): half the model and a few
+        # blocks (the other tensors' halves are read alone: the wide one's
+        # half-rows are long enough), where reading alone moves 0.75 of it.
+        assert 0.45 * size < res_r["drive_bytes"] < 0.55 * size, (res_r["drive_bytes"], size)
+    # Every byte of the shared tensors read by exactly one rank.
+    assert sum(x["report"]["read_bytes"] for x in res) == shared_bytes
+
+
+def test_many_batches_reuse_the_buffers_halves(model, tmp_path):
+    res = run(model, "batches", tmp_path)
+    for r, res_r in enumerate(res):
+        assert res_r is not None and "error" not in res_r, (r, res_r)
+        assert res_r["got"] == res_r["want"], r
+        rep = res_r["report"]
+        assert rep["batches"] >= 4 and rep["batch_bytes"] == 64 << 10, rep
+        # The largest tensor alone in its batch: the halves are that size.
+        assert rep["batches"] >= 8, rep
+        assert 2 * (2 << 20) <= rep["buffer_bytes"] <= 2 * ((2 << 20) + 4096), rep
+
+
+def test_a_failed_read_raises_on_every_rank_naming_the_rank_and_the_file(model, tmp_path):
+    res = run(model, "fail1", tmp_path)
+    for r, res_r in enumerate(res):
+        assert res_r is not None and "error" in res_r, (r, res_r)
+        assert "GroupError" in res_r["error"] and "rank 1" in res_r["error"], res_r["error"]
+        assert "model-00001-of-00002.safetensors" in res_r["error"] and "os error 5" in res_r["error"], res_r["error"]
+
+
+def test_a_rank_failing_before_the_agreement_makes_the_others_raise_not_wait(model, tmp_path):
+    res = run(model, "abandon1", tmp_path)
+    assert "stand-in" in res[1]["error"], res[1]
+    assert "GroupError" in res[0]["error"] and "rank 1" in res[0]["error"] and "stand-in" in res[0]["error"], res[0]
+
+
+def test_a_buffer_a_rank_cannot_open_leaves_every_rank_reading_alone(model, tmp_path):
+    res = run(model, "nobuffer", tmp_path)
+    for r, res_r in enumerate(res):
+        assert res_r is not None and "error" not in res_r, (r, res_r)
+        assert res_r["done"] is False and res_r["got"] == res_r["want"], res_r
+        why = res_r["report"]["why_not"]
+        assert "rank 1" in why and "Permission denied" in why, why
+        assert res_r["report"]["read_bytes"] == 0, res_r["report"]
+
+
+def test_the_shares_cover_each_tensor_once_cut_at_blocks():
+    from weightstream._tp_share import _parts
+
+    for nbytes in (1, 100, 4095, 4096, 4097, 10000, 1 << 20, (1 << 20) + 13):
+        for offset in (0, 8, 4000, 4096, 12345):
+            for world in (1, 2, 3, 4, 8):
+                parts = _parts(nbytes, offset, world, 4096)
+                assert len(parts) == world and parts[0][0] == 0 and parts[-1][1] == nbytes
+                for (a, z), (a2, _z2) in zip(parts, parts[1:]):
+                    assert a <= z == a2
+                    # A cut inside the tensor is a block boundary of the file.
+                    assert z in (0, nbytes) or (offset + z) % 4096 == 0
+                # Balanced within a block.
+                if nbytes >= 4096 * world:
+                    assert max(z - a for a, z in parts) - nbytes / world <= 4096
+
+
+def test_batches_hold_whole_tensors_in_phase_within_the_budget():
+    from weightstream._tp_share import _batches
+
+    regs = [(("m", f"t{i}"), f"t{i}", n, off, None, None) for i, (n, off) in enumerate([(5000, 100), (4096, 8192), (100000, 9), (1, 4095), (70000, 0)])]
+    for budget in (4096, 16384, 1 << 20):
+        batches, largest = _batches(regs, 4096, budget)
+        assert [reg for b in batches for reg, _at in b] == regs
+        for b in batches:
+            end = 0
+            for (_k, _n, n, off, _d, _s), at in b:
+                assert at % 4096 == 0 and at >= end
+                end = at + -(-(off % 4096 + n) // 4096) * 4096
+            assert end <= largest and (end <= budget or len(b) == 1)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn", "int8", "float64"])
+def test_a_box_copies_into_any_destination_view_as_indexing_gives_it(dtype):
+    torch = require("torch")
+    from weightstream._tp_share import _copy_box
+
+    dt = getattr(torch, dtype)
+    src = torch.randint(-100, 100, (6, 10, 8)).to(torch.float32).to(dt) if dt != torch.int8 else torch.randint(-100, 100, (6, 10, 8), dtype=dt)
+    box = [(1, 5), (2, 3), (0, 8)]
+    want = src[1:5, 2:3, 0:8]
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[want.element_size()]
+    for dest in (
+        torch.empty((4, 1, 8), dtype=dt),
+        torch.empty((4, 8), dtype=dt),
+        torch.empty((8, 4), dtype=dt).t(),
+        torch.empty((32,), dtype=dt),
+    ):
+        _copy_box(src, box, dest)
+        assert torch.equal(dest.contiguous().reshape(-1).view(ints), want.contiguous().reshape(-1).view(ints))
