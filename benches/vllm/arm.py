@@ -8,7 +8,7 @@ process of its own; prints one JSON object.
 
 FORMAT: a vLLM load format, or weightstream-noplan (the weightstream
 format with {"plan": false}), weightstream-nocache ({"plan_cache": false}:
-the plan traced at every load) or weightstream-exchange ({"tp": "exchange"});
+the plan traced at every load);
 WS_VLLM_EXTRA (JSON) adds options to the weightstream format's.
     arm.py ws-load MODEL_DIR         weightstream.load(MODEL_DIR) alone (the reference)
     arm.py write-config MODEL_DIR    writes config.json for write_model.py's checkpoint
@@ -64,7 +64,6 @@ def versions():
 VARIANTS = {
     "weightstream-noplan": ("weightstream", {"plan": False}),
     "weightstream-nocache": ("weightstream", {"plan_cache": False}),
-    "weightstream-exchange": ("weightstream", {"tp": "exchange"}),
 }
 
 
@@ -222,6 +221,7 @@ def vllm_tp2_arm(arm_format, d):
         "per_rank_seconds": took,
         "per_rank_read_bytes": [p["read_bytes"] for p in phases],
         "per_rank_logged": [t for t, _ in logged_loads(text)],
+        "per_rank_plan": [p.get("plan") for p in phases],
         "gbps": n / s / 1e9,
         # Both workers' CPU over their loads, per GB of the model.
         "cpu_seconds_per_gb": cpu_s / (n / 1e9),

@@ -42,9 +42,9 @@
 #   5. (kinds in TP_KINDS, default memloop; TP_ROUNDS rounds, default 3)
 #      two tensor-parallel workers, spawned as vLLM does by default
 #      (TP_ARMS): tp2-auto, tp2-runai_streamer, tp2-weightstream (the plan:
-#      each rank reads its slices), tp2-weightstream-noplan (each rank
-#      reads every tensor) and tp2-weightstream-exchange (the ranks share
-#      the reads and send each other the rest); the load is the slowest
+#      each rank reads its slices, and with the others the tensors it cannot
+#      read its part of alone), tp2-weightstream-noplan (each rank
+#      reads every tensor); the load is the slowest
 #      worker's logged time, and weightstream's workers log the bytes each
 #      read from storage. Process CPU and RSS are not comparable there (the
 #      workers are other processes).
@@ -65,7 +65,7 @@ size=${SIZE:-1.91e9}
 arm_timeout=${ARM_TIMEOUT:-900}
 out=${1:-docs/benchmarks/$(date +%F)-vllm}
 read -r -a arms <<< "${ARMS:-vllm-auto vllm-weightstream vllm-weightstream-nocache vllm-weightstream-noplan vllm-runai_streamer vllm-fastsafetensors ws-load}"
-read -r -a tp_arms <<< "${TP_ARMS:-tp2-auto tp2-weightstream tp2-weightstream-noplan tp2-weightstream-exchange tp2-runai_streamer}"
+read -r -a tp_arms <<< "${TP_ARMS:-tp2-auto tp2-weightstream tp2-weightstream-noplan tp2-runai_streamer}"
 tp_kinds=${TP_KINDS:-memloop}
 
 if [ "$(id -u)" != 0 ]; then echo "vllm bench: SKIP: needs root (simdrives, drop_caches)"; exit 0; fi

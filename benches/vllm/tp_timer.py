@@ -62,4 +62,14 @@ class TimedLoads:
     timed load."""
 
     def weight_phase(self):
-        return dict(PHASE, pid=os.getpid())
+        out = dict(PHASE, pid=os.getpid())
+        if PHASE.get("loader") == "WeightstreamModelLoader":
+            # Where a weightstream load's time went: the plan (select, trace
+            # or cache, check, rehome), the reads shared with the other ranks,
+            # this rank's own fill.
+            from weightstream import _vllm_loader
+
+            plan = (_vllm_loader.LAST_REPORT or {}).get("plan", {})
+            out["plan"] = {k: plan.get(k) for k in ("plan_seconds", "fill_seconds", "in_place_bytes", "staged_bytes")}
+            out["plan"]["shared"] = plan.get("shared")
+        return out

@@ -280,23 +280,6 @@ def test_the_load_format_is_found_in_spawned_engine_and_worker_processes(models,
     assert ours["tokens"] == ref["tokens"]
 
 
-def test_tensor_parallel_ranks_sharing_their_reads_give_the_same_tokens(models, tmp_path, monkeypatch):
-    """Two tensor-parallel workers with `tp: exchange`: each reads part of
-    the checkpoint and sends the rest over the group (iter_distributed);
-    greedy tokens equal the default loader's with the same parallelism."""
-    # vLLM's CPU workers each bind their threads to CPUs of their own.
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1" if (os.cpu_count() or 1) >= 2 else "0|0")
-    m = models["llama-bfloat16"]
-    jobs = [
-        {"model": m, "load_format": "auto", "dtype": "bfloat16", "spawn": True, "tp": 2},
-        {"model": m, "load_format": "weightstream", "dtype": "bfloat16", "spawn": True, "tp": 2, "extra": {"tp": "exchange"}},
-    ]
-    ref, ours = run(jobs, tmp_path, "tp2")
-    assert "error" not in ref, ref.get("error", "")[-3000:]
-    assert "error" not in ours, ours.get("error", "")[-3000:]
-    assert ours["tokens"] == ref["tokens"]
-
-
 def test_split_folders_and_a_mirror_load_with_the_same_tokens(models, tmp_path):
     src = models["mixtral-float32"]
     primary, extra, mirror = tmp_path / "primary", tmp_path / "extra", tmp_path / "mirror"
@@ -381,8 +364,8 @@ def test_a_models_pt_heads_are_read_not_skipped(tmp_path):
 
 def test_options_are_checked_before_anything_is_read():
     assert wv.parse_options(None)["window"] == wv.DEFAULT_WINDOW
-    o = wv.parse_options({"dirs": "/a; /b,", "mirrors": ["/m"], "route": "stripe", "direct": "on", "window": 3, "tp": "exchange"})
-    assert o == {"dirs": ["/a", "/b"], "mirrors": ["/m"], "route": "stripe", "direct": "on", "window": 3, "tp": "exchange", "prepare": True, "plan": True, "plan_cache": None}
+    o = wv.parse_options({"dirs": "/a; /b,", "mirrors": ["/m"], "route": "stripe", "direct": "on", "window": 3, "tp": "each"})
+    assert o == {"dirs": ["/a", "/b"], "mirrors": ["/m"], "route": "stripe", "direct": "on", "window": 3, "tp": "each", "prepare": True, "plan": True, "plan_cache": None}
     assert wv.parse_options({"plan": False})["plan"] is False
     assert wv.parse_options({"plan_cache": False})["plan_cache"] is False
     assert wv.parse_options({"plan_cache": " /p "})["plan_cache"] == "/p"
@@ -395,6 +378,7 @@ def test_options_are_checked_before_anything_is_read():
         ({"dirs": [1]}, "dirs"),
         ({"route": 3}, "route"),
         ({"tp": "slices"}, "tp must be one of"),
+        ({"tp": "exchange"}, "tp: exchange was removed: with the load plan each rank reads 0.50 of the model"),
         ({"prepare": "yes"}, "prepare"),
         ({"plan": 1}, "plan"),
         ({"plan_cache": 3}, "plan_cache must be a folder or false"),

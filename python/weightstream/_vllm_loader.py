@@ -111,8 +111,6 @@ class WeightstreamModelLoader(BaseModelLoader):
             return "the plan option is false"
         if model_config.quantization is not None:
             return f"a quantized model ({model_config.quantization}): its loaders repack the checkpoint's layout"
-        if self.options["tp"] == "exchange" and _tp_group() is not None:
-            return "tp: exchange (the ranks share whole tensors)"
         return None
 
     def _log(self, seconds):
@@ -244,8 +242,11 @@ class WeightstreamModelLoader(BaseModelLoader):
         readers = {}
         try:
             try:
+                t0 = time.perf_counter()
                 sels = [self._select(s) for s in self._sources(model)]
                 traced = self._plan(model, sels, readers)
+                # Selecting, tracing (or the cache), checking, moving in phase.
+                self._plan_seconds = time.perf_counter() - t0
             except BaseException as e:
                 if group is not None:
                     from . import _tp_share
@@ -298,10 +299,9 @@ class WeightstreamModelLoader(BaseModelLoader):
     def _fill_planned(self, model, sels, readers, traced, group):
         """Reads the plan (``_plan``'s) into the parameters: with a
         tensor-parallel ``group``, the tensors no rank can read its part of
-        alone together with the group first (``_tp_share``), then the rest
-        alone; then what fell back through the loaders. Returns the names
-        the loaders loaded."""
-        from . import _tp_share
+        alone together with the group while the rest is read alone
+        (``_fill_with_group``); then what fell back through the loaders.
+        Returns the names the loaders loaded."""
         from . import _weight_plan as wp
 
         o = self.options
@@ -316,17 +316,22 @@ class WeightstreamModelLoader(BaseModelLoader):
         prep = _Prepare(model if o["prepare"] else None, advise_only=planned_storages)
         fallback = collections.OrderedDict(packed)
         fallback.update(plan.fallback)
-        info = {"used": True, "trace_seconds": tr.seconds, "trace_runs": tr.runs, "rehomed": rehomed, "cache": cache}
+        info = {
+            "used": True,
+            "plan_seconds": self._plan_seconds,
+            "trace_seconds": tr.seconds,
+            "trace_runs": tr.runs,
+            "rehomed": rehomed,
+            "cache": cache,
+        }
         force_pipeline = os.environ.get("WEIGHTSTREAM_FORCE_DEVICE_PATH", "") not in ("", "0")
         try:
-            own = plan
-            if group is not None:
-                block = max((r.direct_align() for r in readers.values()), default=4096)
-                own, shared = _tp_share.split(plan, readers, group, block)
-                if not _tp_share.run(shared, readers, block):
-                    own = plan
-                info["shared"] = shared.report
-            info.update(wp.fill(own, readers, pipeline=force_pipeline))
+            t_fill = time.perf_counter()
+            if group is None:
+                info.update(wp.fill(plan, readers, pipeline=force_pipeline))
+            else:
+                info.update(self._fill_with_group(plan, readers, group, force_pipeline, info))
+            info["fill_seconds"] = time.perf_counter() - t_fill
         finally:
             self.report["prepared"] = prep.stop()
         for r in readers.values():
@@ -373,6 +378,49 @@ class WeightstreamModelLoader(BaseModelLoader):
         elif tr.loaded is None:
             return None
         return loaded
+
+    @staticmethod
+    def _fill_with_group(plan, readers, group, pipeline, info):
+        """``plan``'s reads with a tensor-parallel ``group``: the tensors no
+        rank can read its part of alone with the group (``_tp_share``, on
+        this thread: its collectives), the rest alone at the same time (on a
+        thread of its own: the two share the engine, whose fills share
+        its staging). Returns ``wp.fill``'s byte counts; ``info["shared"]``
+        gets the shared reads' report. Returns only once neither reads."""
+        import threading
+
+        from . import _tp_share
+        from . import _weight_plan as wp
+
+        block = max((r.direct_align() for r in readers.values()), default=4096)
+        own, shared = _tp_share.split(plan, readers, group, block)
+        info["shared"] = shared.report
+        got, failed = {}, []
+
+        def own_fill():
+            try:
+                got.update(wp.fill(own, readers, pipeline=pipeline))
+            except BaseException as e:  # noqa: BLE001 - raised on the caller's thread below
+                failed.append(e)
+
+        worker = threading.Thread(target=own_fill, name="ws-vllm-own-fill", daemon=True)
+        worker.start()
+        try:
+            done = _tp_share.run(shared, readers, block)
+        finally:
+            # Never return (or raise) while the other fill still reads into
+            # the parameters.
+            worker.join()
+        if failed:
+            raise failed[0]
+        if not done:
+            # No shared buffer (every rank alike, said in the report): this
+            # rank reads them alone.
+            alone = wp.Plan()
+            alone.writes = [w for ws in shared.writes.values() for w in ws]
+            for k, v in wp.fill(alone, readers, pipeline=pipeline).items():
+                got[k] = got.get(k, 0) + v
+        return got
 
     def _trace(self, model, stand_ins):
         """The plan's trace: from the plan cache when it holds this model's
@@ -466,8 +514,7 @@ class WeightstreamModelLoader(BaseModelLoader):
 
     def _source_weights(self, source):
         """``source``'s tensors for ``model.load_weights``: its other files
-        through vLLM's iterator, then weightstream's stream (or, with
-        ``tp: exchange``, the group's shared reads)."""
+        through vLLM's iterator, then weightstream's stream."""
         sel = self._select(source)
         if sel["others"]:
             yield from self._vllm_weights(source, sel["others"])
@@ -479,31 +526,6 @@ class WeightstreamModelLoader(BaseModelLoader):
         order given, ``window`` reads in flight."""
         o = self.options
         source, folder = sel["source"], sel["folder"]
-        group = _tp_group() if o["tp"] == "exchange" else None
-        if group is not None:
-            # The ranks of the tensor-parallel group share the reads: each
-            # reads its part (by bytes, by drive on a node) and sends the
-            # rest; every rank gets every tensor it asked for.
-            from .torch import iter_distributed
-
-            exchanged = {}
-            for name, t in iter_distributed(
-                folder,
-                group=group,
-                dirs=o["dirs"],
-                mirrors=o["mirrors"],
-                route=o["route"],
-                direct=o["direct"],
-                select=set(names),
-                report=exchanged,
-                env=True,
-                inherit=False,
-            ):
-                self.report["tensors"] += 1
-                self.report["bytes"] += t.numel() * t.element_size()
-                yield source.prefix + name, t
-            self.report["exchange"] = exchanged
-            return
         stream = _native.Stream(
             folder,
             dirs=o["dirs"],
@@ -611,12 +633,17 @@ def _tp_group():
 
 # The planned storages are populated in pieces of this size (at 4-10 GB/s
 # a piece is 3-8 ms of clearing), each only if the CPUs were idle for at
-# least IDLE_CPUS of a CPU over the last IDLE_WINDOW_S or more; else the
-# helper looks again after IDLE_POLL_S.
+# least IDLE_CPUS over the last IDLE_WINDOW_S or more; else the helper
+# looks again after IDLE_POLL_S. A whole CPU: the helper is one thread
+# that keeps one busy, so it runs only where it takes no CPU from the
+# reads (half a CPU let it populate 0.2-0.73 GB on memloop, where the
+# drive's own workers need the CPUs, in 2 of 3 runs, 0.47-1.01 s; a
+# whole CPU, 0 GB and 0.39-0.50 s; on the machine's disk both populate
+# every byte).
 PLANNED_PIECE = 32 << 20
 IDLE_WINDOW_S = 0.05
 IDLE_POLL_S = 0.005
-IDLE_CPUS = 0.5
+IDLE_CPUS = 1.0
 
 
 def _planned_populate_mode():

@@ -4,11 +4,19 @@ reads, in a module of their own so that neither imports the other."""
 
 # The options `--model-loader-extra-config` may give.
 OPTIONS = ("dirs", "mirrors", "route", "direct", "window", "tp", "prepare", "plan", "plan_cache")
-# With tensor parallelism: each rank reads every tensor it needs itself
-# ("each"), or the ranks of the group share the reads and send each other
-# the rest ("exchange", weightstream.torch.iter_distributed over the group's
-# CPU process group).
-TP_MODES = ("each", "exchange")
+# With tensor parallelism each rank reads its own slices (with the plan,
+# the tensors no rank can read its part of alone together with the group:
+# _tp_share). "exchange" (the ranks splitting every tensor's reads and
+# sending each other the rest over the group) was removed: it read 0.50
+# of the model per rank but ran at 0.86x vLLM's default loader, where the
+# plan's shared reads read 0.50 and ran over 2x it
+# (docs/benchmarks/2026-12-07-vllm-tp-share).
+TP_MODES = ("each",)
+REMOVED_TP = {
+    "exchange": "tp: exchange was removed: with the load plan each rank reads 0.50 of the model and the load runs over 2x "
+    "vLLM's default loader at TP=2, where exchange ran at 0.86x it (docs/benchmarks/2026-12-07-vllm-tp-share); "
+    "leave tp out"
+}
 DEFAULT_TP = "each"
 DEFAULT_WINDOW = 8
 
@@ -28,7 +36,8 @@ def parse_options(extra):
     dict): `dirs`, `mirrors` (lists, or `;`/`,`-separated strings),
     `route`, `direct` (strings, parsed by the library when the model is
     opened), `window` (reads in flight, 1 to 1024, default 8), `tp`
-    ("each" or "exchange", with tensor parallelism), `prepare` (make the
+    ("each", the only mode left; "exchange" is refused, naming why),
+    `prepare` (make the
     parameters' pages ready for vLLM's copies on a helper thread while the
     reads run; default true), `plan` (trace the model's own weight loaders
     on metadata stand-ins and read each tensor's bytes straight into the
@@ -59,6 +68,8 @@ def parse_options(extra):
         raise ValueError(f"load format weightstream: window must be an integer from 1 to 1024, got {w!r}")
     opts["window"] = w
     tp = extra.get("tp", DEFAULT_TP)
+    if isinstance(tp, str) and tp in REMOVED_TP:
+        raise ValueError(f"load format weightstream: {REMOVED_TP[tp]}")
     if tp not in TP_MODES:
         raise ValueError(f"load format weightstream: tp must be one of {list(TP_MODES)}, got {tp!r}")
     opts["tp"] = tp
