@@ -21,10 +21,14 @@ slice plan), on every rank of the group (an all-gather agrees on them).
 Ranks on more than one host, or a buffer that cannot be made or opened,
 read alone as before, the reason said in the report and vLLM's log.
 
-Memory: two halves of at most ``BATCH_BYTES`` of tensor each (a batch is
-read into one half while the other is copied out of); a rank reuses a
-half only after the group's gather that follows every rank's copies out
-of it, so nothing is overwritten while a rank reads it.
+Memory: two halves of at most ``BATCH_BYTES`` (and a block) each; a
+batch is read into one half while the last one's is copied out. A
+tensor larger than that is read in pieces of whole rows, when every
+destination it lands in is contiguous (its rows of a box are then a run
+of the destination); one that cannot be cut so is read alone, named in
+the report (``too_large``). A rank reuses a half only after the group's
+gather that follows every rank's copies out of it, so nothing is
+overwritten while a rank reads it.
 
 Errors: every collective carries each rank's error, so a rank that fails
 (a read, a copy, the trace before any of it) makes every rank raise with
@@ -97,7 +101,8 @@ class Shared:
     def __init__(self, group, rank, world, writes, regions, report):
         self.group, self.rank, self.world = group, rank, world
         self.writes = writes  # key -> [Write]
-        self.regions = regions  # [(key, name, nbytes, file offset, dtype, shape)] in file order
+        # [(key, name, nbytes, file offset, dtype, shape, cuttable in rows)] in file order
+        self.regions = regions
         self.report = report
 
 
@@ -115,7 +120,7 @@ def split(plan, readers, group, block):
     by_key = {}
     for w in plan.writes:
         by_key.setdefault(w.key, []).append(w)
-    mine, infos, err = {}, {}, None
+    mine, infos, err, too_large = {}, {}, None, []
     try:
         for key, ws in by_key.items():
             if any(w.dest.device.type != "cpu" for w in ws):
@@ -125,9 +130,14 @@ def split(plan, readers, group, block):
             if nbytes == 0:
                 continue
             alone = sum(readers[i]._slice_read_bytes(name, [tuple(b) for b in w.box])[1] for w in ws)
-            if alone > SHARE_ABOVE * nbytes / world:
-                mine[key] = (int(offset), int(nbytes), alone)
-                infos[key] = (name, ws[0].dest.dtype)
+            if alone <= SHARE_ABOVE * nbytes / world:
+                continue
+            if nbytes > BATCH_BYTES and not _cuttable(_shape, nbytes, ws):
+                # It would need a buffer of its size: read alone, said.
+                too_large.append(name)
+                continue
+            mine[key] = (int(offset), int(nbytes), alone)
+            infos[key] = (name, ws[0].dest.dtype)
     except Exception as e:  # noqa: BLE001 - said to every rank below, then raised
         err = f"{type(e).__name__}: {e}"
     got = _gather(group, (err, _host(), {k: v[:2] for k, v in mine.items()}))
@@ -143,6 +153,7 @@ def split(plan, readers, group, block):
         "seconds": 0.0,
         "buffer_bytes": 0,
         "batch_bytes": 0,
+        "too_large": too_large,
         "why_not": None,
     }
     own = Plan()
@@ -161,7 +172,7 @@ def split(plan, readers, group, block):
         offset, nbytes, alone = mine[key]
         name, dtype = infos[key]
         _d, shape, _n, _o = readers[key[0]].info(name)
-        regions.append((key, name, nbytes, offset, dtype, shape))
+        regions.append((key, name, nbytes, offset, dtype, shape, _cuttable(shape, nbytes, by_key[key])))
         report["tensors"] += 1
         report["bytes"] += nbytes
         report["alone_bytes"] += alone
@@ -171,21 +182,50 @@ def split(plan, readers, group, block):
     return own, Shared(group, rank, world, {k: by_key[k] for k in common}, regions, report)
 
 
+def _cuttable(shape, nbytes, writes):
+    """Whether a tensor can be read in pieces of whole rows (dimension 0)
+    of at most MIN_BATCH_BYTES each: every write's box names each
+    dimension and lands in contiguous memory (a piece's rows of the box
+    are then a run of the destination)."""
+    rows = shape[0] if shape else 0
+    if rows == 0 or nbytes % rows or nbytes // rows > MIN_BATCH_BYTES:
+        return False
+    return all(len(w.box) == len(shape) and w.dest.is_contiguous() for w in writes)
+
+
 def _batches(regions, block, budget):
-    """``regions`` cut into batches of at most ``budget`` bytes of buffer
-    (a tensor larger than that alone in one): ``[[(region, at)]]`` with
-    ``at`` the region's block-aligned place in its half, and the largest
-    batch's bytes."""
+    """``regions`` as batches of pieces of at most ``budget`` bytes of
+    buffer each: ``[[(region, a, z, at)]]``, rows ``a..z`` of the region's
+    tensor (all of it, ``0..rows``, unless the tensor is larger than the
+    budget and the region says it can be cut: then pieces of whole rows,
+    each within the budget; ``split`` keeps only such tensors or ones of
+    at most BATCH_BYTES) at ``at``,
+    the piece's block-aligned place in its half; and the largest batch's
+    bytes. The layout is a function of its arguments: every rank that
+    calls it with the same regions and budget lays the buffer out alike."""
     out, cur, used, largest = [], [], 0, 0
+
+    def room(nbytes, offset):
+        return -(-(offset % block + nbytes) // block) * block
+
     for reg in regions:
-        _key, _name, nbytes, offset, _dt, _shape = reg
-        size = -(-(offset % block + nbytes) // block) * block
-        if cur and used + size > budget:
-            out.append(cur)
-            largest = max(largest, used)
-            cur, used = [], 0
-        cur.append((reg, used))
-        used += size
+        _key, _name, nbytes, offset, _dt, shape, cuttable = reg
+        rows = shape[0] if shape else 1
+        if nbytes <= budget or not cuttable:
+            pieces = [(0, rows)]
+        else:
+            # Rows per piece: what fits with a block of phase to spare.
+            per = max(1, (budget - block) // (nbytes // rows))
+            pieces = [(a, min(a + per, rows)) for a in range(0, rows, per)]
+        for a, z in pieces:
+            rb = nbytes // rows if shape else nbytes
+            size = room((z - a) * rb, offset + a * rb)
+            if cur and used + size > budget:
+                out.append(cur)
+                largest = max(largest, used)
+                cur, used = [], 0
+            cur.append((reg, a, z, used))
+            used += size
     if cur:
         out.append(cur)
         largest = max(largest, used)
@@ -219,6 +259,28 @@ def _copy_box(src, box, dest):
         d.copy_(s.view(d.shape))
     else:
         d.copy_(s.reshape(d.shape))
+
+
+def _copy_piece(src, a, z, w, whole):
+    """Write ``w``'s part of rows ``a..z`` of its tensor (``src``, those
+    rows) into its destination; returns the bytes copied. A whole tensor
+    copies ``w``'s box into ``w.dest`` (any view); a piece copies the
+    rows of the box it holds into the run of the destination that holds
+    them (``_cuttable``: the destination is contiguous)."""
+    if whole:
+        _copy_box(src, w.box, w.dest)
+        return w.dest.numel() * w.dest.element_size()
+    r0, r1 = w.box[0]
+    s, e = max(r0, a), min(r1, z)
+    if s >= e:
+        return 0
+    inner = [hi - lo for lo, hi in w.box[1:]]
+    n = 1
+    for x in inner:
+        n *= x
+    part = w.dest.view(-1)[(s - r0) * n : (e - r0) * n].view([e - s, *inner])
+    _copy_box(src, [(s - a, e - a), *w.box[1:]], part)
+    return part.numel() * part.element_size()
 
 
 def run(shared, readers, block):
@@ -292,7 +354,7 @@ def _open_buffer(shared, block):
     # Every rank has it mapped (or one could not), and lays it out the
     # same (checked: a rank that placed a tensor elsewhere would read into
     # another's bytes).
-    layout = hashlib.sha256(repr([(k, n, off) for k, _name, n, off, _d, _s in shared.regions]).encode()).hexdigest()
+    layout = hashlib.sha256(repr([(k, n, off, list(sh)) for k, _name, n, off, _d, sh, _c in shared.regions]).encode()).hexdigest()
     said = _gather(group, (opened, layout))
     if fd is not None:
         os.close(fd)
@@ -323,13 +385,15 @@ def _read_and_copy(shared, readers, block, m, batches, largest):
         if err is None:
             try:
                 by_reader = {}
-                for (key, name, nbytes, offset, _dt, _shape), at in batch:
-                    a, z = _parts(nbytes, offset, world, block)[rank]
-                    if z > a:
-                        # In place: the region sits in phase with its file.
-                        dst = addr + half + at + offset % block + a
-                        by_reader.setdefault(key[0], []).append((name, None, (a, z), dst, z - a))
-                        rep["read_bytes"] += z - a
+                for (key, name, nbytes, offset, _dt, shape, _c), a, z, at in batch:
+                    rb = nbytes // shape[0] if shape else nbytes
+                    start, size = a * rb, (z - a) * rb
+                    pa, pz = _parts(size, offset + start, world, block)[rank]
+                    if pz > pa:
+                        # In place: the piece sits in phase with its file.
+                        dst = addr + half + at + (offset + start) % block + pa
+                        by_reader.setdefault(key[0], []).append((name, None, (start + pa, start + pz), dst, pz - pa))
+                        rep["read_bytes"] += pz - pa
                 for i, targets in by_reader.items():
                     readers[i]._fill(targets)
             except Exception as e:  # noqa: BLE001 - said to every rank, then raised
@@ -337,12 +401,14 @@ def _read_and_copy(shared, readers, block, m, batches, largest):
         _raise_any(_gather(group, (err,)), "the tensor-parallel ranks' shared reads")
         try:
             with torch.no_grad():
-                for (key, _name, nbytes, offset, dtype, shape), at in batch:
-                    start = half + at + offset % block
-                    src = base[start : start + nbytes].view(dtype).view(shape)
+                for (key, _name, nbytes, offset, dtype, shape, _c), a, z, at in batch:
+                    rb = nbytes // shape[0] if shape else nbytes
+                    at_file = offset + a * rb
+                    begin = half + at + at_file % block
+                    src = base[begin : begin + (z - a) * rb].view(dtype).view([z - a, *shape[1:]] if shape else [])
+                    whole = a == 0 and z == (shape[0] if shape else 1)
                     for w in shared.writes[key]:
-                        _copy_box(src, w.box, w.dest)
-                        rep["copied_bytes"] += w.dest.numel() * w.dest.element_size()
+                        rep["copied_bytes"] += _copy_piece(src, a, z, w, whole)
         except Exception as e:  # noqa: BLE001 - said to every rank at the next gather
             pending = f"{type(e).__name__}: {e}"
         rep["batches"] += 1
