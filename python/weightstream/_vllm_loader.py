@@ -248,6 +248,9 @@ class WeightstreamModelLoader(BaseModelLoader):
         # too, rather than wait for it).
         group = _tp_group()
         readers = {}
+        # Whether this rank has joined the group's agreement (from then on
+        # the collectives carry its errors themselves).
+        self._tp_joined = False
         try:
             try:
                 t0 = time.perf_counter()
@@ -255,13 +258,13 @@ class WeightstreamModelLoader(BaseModelLoader):
                 traced = self._plan(model, sels, readers)
                 # Selecting, tracing (or the cache), checking, moving in phase.
                 self._plan_seconds = time.perf_counter() - t0
+                return self._fill_planned(model, sels, readers, traced, group)
             except BaseException as e:
-                if group is not None:
+                if group is not None and not self._tp_joined:
                     from . import _tp_share
 
                     _tp_share.abandon(group, e)
                 raise
-            return self._fill_planned(model, sels, readers, traced, group)
         finally:
             # Closed whatever happened (a refused plan, a failed read, a
             # loader that raised): no Reader outlives its load.
@@ -387,8 +390,7 @@ class WeightstreamModelLoader(BaseModelLoader):
             return None
         return loaded
 
-    @staticmethod
-    def _fill_with_group(plan, readers, group, pipeline, info):
+    def _fill_with_group(self, plan, readers, group, pipeline, info):
         """``plan``'s reads with a tensor-parallel ``group``: the tensors no
         rank can read its part of alone with the group (``_tp_share``, on
         this thread: its collectives), the rest alone at the same time (on a
@@ -401,6 +403,9 @@ class WeightstreamModelLoader(BaseModelLoader):
         from . import _weight_plan as wp
 
         block = max((r.direct_align() for r in readers.values()), default=4096)
+        # split joins the agreement whatever happens in it (its errors go
+        # to every rank through the gather).
+        self._tp_joined = True
         own, shared = _tp_share.split(plan, readers, group, block)
         info["shared"] = shared.report
         got, failed = {}, []

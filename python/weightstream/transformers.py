@@ -148,11 +148,14 @@ class Loaded:
         ``experts`` (the cache's counters) and ``steps`` (per forward of
         the model, i.e. per generated token in decode: hits, misses,
         prefetched, prefetch used and wasted, seconds waited, bytes read;
-        the last STEPS_KEPT of them)."""
+        the last STEPS_KEPT of them) and ``realigned`` (expert weights
+        copied out of the cache to torch's 64-byte alignment: copies,
+        bytes)."""
         out = {"build_seconds": self.build_seconds, "load_seconds": self.load_seconds, "ignored": list(self.ignored), **self.report}
         if self._streamer is not None:
             out["experts"] = self._streamer.cache.stats()
             out["steps"] = list(self._streamer.steps)
+            out["realigned"] = dict(self._streamer.realigned)
         return out
 
     def __repr__(self):
@@ -335,6 +338,10 @@ def from_pretrained(
     return model
 
 
+# torch's CPU allocator's alignment: what its kernels are used to.
+TORCH_ALIGN = 64
+
+
 def _in_phase(model, path, rename, dirs, mirrors):
     """Moves each CPU parameter a checkpoint tensor fills into memory of
     its own in phase with the file (``address % A == offset % A``, A the
@@ -347,7 +354,9 @@ def _in_phase(model, path, rename, dirs, mirrors):
     tensors) takes the one most of its bytes want; one of a storage it
     shares, strided, or with a file offset that is not a multiple of its
     element size stays (named in ``stayed``; load_into stages its reads,
-    counted in its report). Each new storage gets MADV_HUGEPAGE (its faults
+    counted in its report), and so does a parameter of three dimensions
+    or more (a fused experts tensor) whose phase is off 64 bytes (torch's
+    grouped_mm gives other last bits for it off torch's alignment). Each new storage gets MADV_HUGEPAGE (its faults
     take 2 MiB pages). Returns ``{"parameters", "bytes", "in_phase",
     "stayed"}``."""
     import collections
@@ -393,6 +402,15 @@ def _in_phase(model, path, rename, dirs, mirrors):
         es, n = p.element_size(), p.numel() * p.element_size()
         st = p.untyped_storage()
         if p.storage_offset() != 0 or not p.is_contiguous() or st.nbytes() != n or phase % es:
+            out["stayed"].append(next(k for k, v in named.items() if v is p))
+            continue
+        if p.dim() >= 3 and phase % TORCH_ALIGN:
+            # A fused experts tensor off torch's 64-byte alignment: torch's
+            # grouped_mm on CPU gives other last bits there (float32
+            # Qwen3-MoE logits differed by 3e-8 on an AMD EPYC host, the
+            # same weights cloned into torch's memory were bit-equal; the
+            # 2-D weights' kernels were not affected). Bit-equal logits
+            # are the contract: it stays, staged.
             out["stayed"].append(next(k for k, v in named.items() if v is p))
             continue
         raw = torch.empty(n + align_bytes, dtype=torch.uint8)
@@ -539,6 +557,8 @@ class _ExpertStreamer:
         self.prefetch = prefetch
         self.held = {}  # layer -> {expert: {projection: tensor}}
         self.scratch = {}
+        # Expert weights copied out of the cache to torch's alignment.
+        self.realigned = {"copies": 0, "bytes": 0}
         # The last STEPS_KEPT forwards (a long generation must not grow it
         # without bound); the cache's own counters hold the totals.
         self.steps = collections.deque(maxlen=STEPS_KEPT)
@@ -604,7 +624,23 @@ class _ExpertStreamer:
                 t = t[0]  # the expert's rows of a fused checkpoint tensor
             if tuple(t.shape) != shape:
                 raise ValueError(f"weightstream.transformers: layer {layer} expert {e}: {srcs[0][0]} is {list(t.shape)}, the model's {name} row takes {list(shape)}")
-            return t if t.dtype == dtype else t.to(dtype)
+            if t.dtype != dtype:
+                return t.to(dtype)
+            if t.data_ptr() % TORCH_ALIGN == 0:
+                return t
+            # In the cache in phase with its file, off torch's 64-byte
+            # alignment: torch's matmul on CPU can give other last bits
+            # there (float32 Qwen3-MoE logits on an AMD EPYC host), and the
+            # logits are to equal the whole model's. Copied into a buffer
+            # of torch's, reused; counted.
+            key = (name, shape, dtype, "aligned")
+            buf = self.scratch.get(key)
+            if buf is None:
+                buf = self.scratch[key] = torch.empty(shape, dtype=dtype)
+            buf.copy_(t)
+            self.realigned["copies"] += 1
+            self.realigned["bytes"] += buf.numel() * buf.element_size()
+            return buf
         # Built from its projections in the parameter's layout, in a
         # buffer reused for each expert (the module's loop consumes it
         # before it asks for the next).
