@@ -123,6 +123,15 @@ def test_a_buffer_a_rank_cannot_open_leaves_every_rank_reading_alone(model, tmp_
         assert res_r["report"]["read_bytes"] == 0, res_r["report"]
 
 
+def test_a_tensor_landing_on_a_device_is_read_alone_and_named(model, tmp_path):
+    res = run(model, "ondevice", tmp_path)
+    for r, res_r in enumerate(res):
+        assert res_r is not None and "error" not in res_r, (r, res_r)
+        assert res_r["got"] == res_r["want"], r
+        assert res_r["report"]["on_device"] == ["a.narrow"], res_r["report"]
+        assert res_r["shared"] == [n for n in SHARED if n != "a.narrow"], res_r["shared"]
+
+
 def test_the_shares_cover_each_tensor_once_cut_at_blocks():
     from weightstream._tp_share import _parts
 

@@ -5,7 +5,8 @@ argv: MODEL INIT_FILE RANK WORLD OUT_JSON MODE
 MODE: "ok"; "batches" (batches of 64 KiB: many, both halves reused);
 "fail1" (rank 1's shared read fails); "abandon1" (rank 1 fails before the
 agreement and abandons it); "nobuffer" (rank 1 cannot open rank 0's
-buffer: every rank reads alone).
+buffer: every rank reads alone); "ondevice" (a.narrow lands on another
+device: read alone, named).
 Each rank's plan: every tensor of the model, split as a tensor-parallel
 rank takes it (``SPLITS``). Writes {name: sha256 of the rank's part}, the
 reference's, the report, the bytes the engine read from the drives and
@@ -121,7 +122,17 @@ try:
     if mode == "abandon1" and rank == 1:
         ts.abandon(group, ValueError("a loader raised on a stand-in (simulated)"))
         raise ValueError("a loader raised on a stand-in (simulated)")
+    if mode == "ondevice":
+        # a.narrow lands on another device (meta stands in for one: split
+        # only looks at where it lands, and the test reads it no further).
+        for w in plan.writes:
+            if w.key == ("m", "a.narrow"):
+                w.dest = torch.empty(w.dest.shape, dtype=w.dest.dtype, device="meta")
     own, shared = ts.split(plan, readers, group, block)
+    if mode == "ondevice":
+        own.writes = [w for w in own.writes if w.dest.device.type == "cpu"]
+        dests["a.narrow"] = [torch.zeros(1, dtype=torch.uint8)]
+        want["a.narrow"] = sha(torch.zeros(1, dtype=torch.uint8))
     done = ts.run(shared, readers, block)
     if not done:
         own = plan

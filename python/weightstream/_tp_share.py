@@ -120,17 +120,20 @@ def split(plan, readers, group, block):
     by_key = {}
     for w in plan.writes:
         by_key.setdefault(w.key, []).append(w)
-    mine, infos, err, too_large = {}, {}, None, []
+    mine, infos, err, too_large, on_device = {}, {}, None, [], []
     try:
         for key, ws in by_key.items():
-            if any(w.dest.device.type != "cpu" for w in ws):
-                continue
             i, name = key
             _dtype, _shape, nbytes, offset = readers[i].info(name)
             if nbytes == 0:
                 continue
             alone = sum(readers[i]._slice_read_bytes(name, [tuple(b) for b in w.box])[1] for w in ws)
             if alone <= SHARE_ABOVE * nbytes / world:
+                continue
+            if any(w.dest.device.type != "cpu" for w in ws):
+                # The buffer is host memory the copies out of it would
+                # reach a device from one at a time: read alone, said.
+                on_device.append(name)
                 continue
             if nbytes > BATCH_BYTES and not _cuttable(_shape, nbytes, ws):
                 # It would need a buffer of its size: read alone, said.
@@ -154,6 +157,7 @@ def split(plan, readers, group, block):
         "buffer_bytes": 0,
         "batch_bytes": 0,
         "too_large": too_large,
+        "on_device": on_device,
         "why_not": None,
     }
     own = Plan()

@@ -168,14 +168,19 @@ class WeightstreamModelLoader(BaseModelLoader):
                 )
             elif shared is not None:
                 logger.info("weightstream plan: no tensor read together by the tensor-parallel ranks: %s", shared["why_not"])
-            if shared is not None and shared["too_large"]:
-                logger.info(
-                    "weightstream plan: %d tensors each rank read alone, though it cannot read its part alone: larger "
-                    "than the shared buffer's half and landing where rows cannot be cut (%s%s)",
-                    len(shared["too_large"]),
-                    ", ".join(shared["too_large"][:4]),
-                    ", ..." if len(shared["too_large"]) > 4 else "",
-                )
+            for field, why in (
+                ("too_large", "larger than the shared buffer's half and landing where rows cannot be cut"),
+                ("on_device", "landing on a device (the shared buffer is host memory)"),
+            ):
+                names = (shared or {}).get(field) or []
+                if names:
+                    logger.info(
+                        "weightstream plan: %d tensors this rank read alone, though it cannot read its part alone: %s (%s%s)",
+                        len(names),
+                        why,
+                        ", ".join(names[:4]),
+                        ", ..." if len(names) > 4 else "",
+                    )
             for reason, g in plan["fallback_reasons"].items():
                 logger.info(
                     "weightstream plan: %d tensors (%.3f GB) through vLLM's loaders: %s (%s%s)",
